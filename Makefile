@@ -1,0 +1,46 @@
+# One entry point. `make test` builds the environment from scratch (idempotent), lints, and runs pytest.
+# `make demo` runs the main job. Every target reuses .venv/ and rebuilds nothing already there.
+PY_BOOT ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+MMCV_VERSION := 2.1.0
+
+.PHONY: env test lint demo benchmark info clean-ext
+
+$(PY):
+	$(PY_BOOT) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# Stamps make a second run a no-op; each stamp depends on what it installs.
+$(VENV)/.stamp-build: requirements/build.txt | $(PY)
+	$(PIP) install -r requirements/build.txt
+	touch $@
+
+$(VENV)/.stamp-torch: requirements/stack.txt $(VENV)/.stamp-build
+	$(PIP) install torch==2.14.1 mmengine==0.10.7 numpy opencv-python-headless
+	touch $@
+
+$(VENV)/.stamp-mmcv: $(VENV)/.stamp-torch
+	$(PY) -c "import mmcv, sys; sys.exit(mmcv.__version__ != '$(MMCV_VERSION)')" 2>/dev/null || \
+	  bash tools/setup/build_mmcv.sh $(PY)
+	touch $@
+
+$(VENV)/.stamp-stack: requirements/stack.txt requirements/dev.txt $(VENV)/.stamp-mmcv
+	$(PIP) install -r requirements/stack.txt -r requirements/dev.txt
+	touch $@
+
+$(VENV)/.stamp-pkg: setup.py $(VENV)/.stamp-stack $(wildcard csrc/*)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+env: $(VENV)/.stamp-pkg
+
+lint: env
+	$(VENV)/bin/ruff check mmseg_mesa tools tests configs setup.py
+
+test: env lint
+	$(VENV)/bin/pytest -q tests
+
+info: env
+	$(PY) -m mmseg_mesa.info

@@ -1,0 +1,27 @@
+"""mmseg-mesa: Mesa memory-saving training (8-bit saved activations) for mmsegmentation."""
+from .config import MesaConfig
+from .convert import ConversionReport, convert_to_mesa, register_handler
+from .layers import (
+                     MatMul,
+                     MesaBatchNorm,
+                     MesaBatchNorm2d,
+                     MesaConv2d,
+                     MesaDropout,
+                     MesaGELU,
+                     MesaLayerNorm,
+                     MesaLinear,
+                     MesaMatMul,
+                     MesaModule,
+                     MesaReLU,
+                     MesaSoftmax,
+)
+from .quantizer import ActivationQuantizer, Packed, QuantSpec, pack, unpack
+
+__version__ = '0.1.0'
+
+__all__ = [
+    'MesaConfig', 'ConversionReport', 'convert_to_mesa', 'register_handler', 'MesaModule',
+    'MesaLinear', 'MesaConv2d', 'MesaGELU', 'MesaReLU', 'MesaSoftmax', 'MesaLayerNorm',
+    'MesaBatchNorm', 'MesaBatchNorm2d', 'MatMul', 'MesaMatMul', 'MesaDropout',
+    'ActivationQuantizer', 'Packed', 'QuantSpec', 'pack', 'unpack', '__version__',
+]

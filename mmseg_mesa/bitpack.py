@@ -1,0 +1,58 @@
+"""Sub-byte bit packing: the only place that knows how codes narrower than a byte are laid out.
+
+Layout: codes are taken in row-major order of the flattened tensor; byte ``i`` holds codes
+``i * k .. i * k + k - 1`` (``k = 8 // bits``), code ``j`` of a byte in bits
+``[j * bits, (j + 1) * bits)`` (little-endian within the byte). The CUDA kernels write exactly
+this layout.
+"""
+from __future__ import annotations
+
+import torch
+
+PACKABLE_BITS = (1, 2, 4, 8)
+
+
+def packed_numel(numel: int, bits: int) -> int:
+    """Bytes needed for ``numel`` codes of ``bits`` bits."""
+    per_byte = 8 // bits
+    return (numel + per_byte - 1) // per_byte
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack uint8 ``codes`` (each < 2**bits) into a flat uint8 tensor."""
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f'pack_bits: bits={bits} unsupported; allowed: {PACKABLE_BITS}')
+    flat = codes.reshape(-1)
+    if bits == 8:
+        return flat.to(torch.uint8)
+    per_byte = 8 // bits
+    pad = (-flat.numel()) % per_byte
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    lanes = flat.view(-1, per_byte).to(torch.int32)
+    shifts = torch.arange(0, 8, bits, device=flat.device, dtype=torch.int32)
+    return (lanes << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: a flat uint8 tensor of ``numel`` codes."""
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f'unpack_bits: bits={bits} unsupported; allowed: {PACKABLE_BITS}')
+    if bits == 8:
+        return data.reshape(-1)[:numel]
+    shifts = torch.arange(0, 8, bits, device=data.device, dtype=torch.uint8)
+    mask = (1 << bits) - 1
+    lanes = (data.reshape(-1, 1) >> shifts) & mask
+    return lanes.reshape(-1)[:numel]
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor as 1 bit per element (ReLU and Dropout save only this)."""
+    return pack_bits(mask.to(torch.uint8), 1)
+
+
+def unpack_mask(data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    numel = 1
+    for s in shape:
+        numel *= s
+    return unpack_bits(data, 1, numel).view(shape).bool()

@@ -1,0 +1,146 @@
+"""``convert_to_mesa``: the one public conversion entry point, driven by a table of handlers.
+
+Handlers are looked up by module type along the MRO, so subclasses (mmcv's ``Linear`` wrapper,
+mmengine's ``_BatchNormXd``) find their base's handler. Conversion happens in place by class swap
+(see ``MesaModule.convert``): Parameters, buffers, names and the training flag are untouched.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .config import MesaConfig
+from .layers.base import MesaModule
+from .quantizer import ActivationQuantizer
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+# convert(module, config) converts in place; it may return names (relative to the module) of
+# children it took care of itself, e.g. an attention's out_proj used through its weight.
+Converter = Callable[[nn.Module, MesaConfig], Iterable[str] | None]
+# check(module) returns why a module cannot be converted, or None.
+Checker = Callable[[nn.Module], str | None]
+
+
+@dataclass(frozen=True)
+class Handler:
+    layer_type: str
+    convert: Converter
+    check: Checker | None = None
+
+
+_HANDLERS: dict[type, Handler] = {}
+
+
+def register_handler(module_type: type, layer_type: str, convert: Converter,
+                     check: Checker | None = None) -> None:
+    """Add or replace the handler for ``module_type`` (and its subclasses without their own)."""
+    _HANDLERS[module_type] = Handler(layer_type, convert, check)
+
+
+def find_handler(module: nn.Module) -> Handler | None:
+    for cls in type(module).__mro__:
+        if cls in _HANDLERS:
+            return _HANDLERS[cls]
+    return None
+
+
+def supported_types() -> list[str]:
+    return sorted(t.__name__ for t in _HANDLERS)
+
+
+@dataclass
+class ConversionReport:
+    """What ``convert_to_mesa`` did: converted modules and the modules it left, with reasons."""
+
+    converted: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (from, to)
+    left: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (type, reason)
+    covered: dict[str, str] = field(default_factory=dict)  # name -> parent that handles it
+
+    def converted_by_type(self) -> Counter:
+        return Counter(src for src, _ in self.converted.values())
+
+    def left_by_reason(self) -> Counter:
+        return Counter((typ, reason) for typ, reason in self.left.values())
+
+    def format(self) -> str:
+        lines = [f'Mesa converted {len(self.converted)} module(s):']
+        for typ, n in sorted(self.converted_by_type().items()):
+            lines.append(f'  {n:5d} x {typ}')
+        if self.left:
+            lines.append(f'Left unconverted: {len(self.left)} leaf module(s):')
+            for (typ, reason), n in sorted(self.left_by_reason().items()):
+                lines.append(f'  {n:5d} x {typ}: {reason}')
+        return '\n'.join(lines)
+
+    __str__ = format
+
+
+def _skip_reason(module: nn.Module, name: str, handler: Handler, config: MesaConfig,
+                 module_filter_fn: ModuleFilter | None) -> str | None:
+    for pattern in config.skip:
+        if fnmatch.fnmatchcase(name, pattern):
+            return f'skipped by pattern {pattern!r}'
+    if handler.layer_type not in config.layers:
+        return f'layer type {handler.layer_type!r} not in config.layers'
+    if module_filter_fn is not None and not module_filter_fn(module, name):
+        return 'excluded by module_filter_fn'
+    return handler.check(module) if handler.check is not None else None
+
+
+def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
+                    module_filter_fn: ModuleFilter | None = None) -> ConversionReport:
+    """Convert every supported module of ``model`` to its Mesa version, in place.
+
+    Args:
+        model: The model; it keeps its identity, Parameters, buffers and state-dict keys.
+        config: How to compress. Defaults to ``MesaConfig()`` (8 bits, the paper's settings).
+        module_filter_fn: ``(module, qualified_name) -> bool``; False leaves the module alone.
+            Defaults to None (convert everything supported).
+
+    Returns:
+        A report of converted modules and the leaves left unconverted, with the reason.
+
+    Raises:
+        ValueError: if the model ends up with no Mesa module at all, since training it
+            "with Mesa" would silently save nothing.
+    """
+    from . import handlers  # noqa: F401  (registers the built-in table on first use)
+
+    config = config or MesaConfig()
+    report = ConversionReport()
+    already = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, ActivationQuantizer):
+            continue
+        if isinstance(module, MesaModule):
+            already += 1
+            continue
+        if name in report.covered:
+            continue
+        handler = find_handler(module)
+        if handler is None:
+            if not any(True for _ in module.children()):
+                report.left[name] = (type(module).__name__,
+                                     f'no Mesa handler for {type(module).__name__}')
+            continue
+        reason = _skip_reason(module, name, handler, config, module_filter_fn)
+        if reason is not None:
+            report.left[name] = (type(module).__name__, reason)
+            continue
+        original = type(module).__name__
+        covered = handler.convert(module, config) or ()
+        report.converted[name] = (original, type(module).__name__)
+        for child in covered:
+            full = f'{name}.{child}' if name else child
+            report.covered[full] = name
+            report.left.pop(full, None)
+    if not report.converted and not already:
+        raise ValueError(
+            f'convert_to_mesa: nothing to convert in {type(model).__name__}: no module is of a '
+            f'supported type (or all were excluded). Supported types: {supported_types()}. '
+            f'Left: {dict(report.left_by_reason())}')
+    return report

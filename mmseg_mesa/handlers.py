@@ -1,0 +1,86 @@
+"""The built-in handler table: which torch module becomes which Mesa module.
+
+mmcv / mmseg specific handlers (Swin attention, DropPath) are added from
+``mmseg_mesa.integrations.handlers`` when those packages are importable.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .config import MesaConfig
+from .convert import Converter, register_handler
+from .layers.activation import MesaGELU, MesaReLU
+from .layers.attention import MesaMultiheadAttention, unsupported_mha_reason
+from .layers.base import MesaModule
+from .layers.conv import MesaConv2d
+from .layers.dropout import MesaDropout
+from .layers.linear import MesaLinear
+from .layers.matmul import MatMul, MesaMatMul
+from .layers.norm import MesaBatchNorm, MesaLayerNorm
+from .layers.softmax import MesaSoftmax
+
+
+def swap_to(mesa_cls: type[MesaModule]) -> Converter:
+    """A converter that class-swaps a module into ``mesa_cls`` and covers no children."""
+
+    def convert(module: nn.Module, config: MesaConfig) -> None:
+        mesa_cls.convert(module, config)
+
+    return convert
+
+
+def _conv_check(module: nn.Module) -> str | None:
+    if isinstance(module.padding, str):
+        return f'string padding {module.padding!r} is not supported'
+    return None
+
+
+def _dropout_check(module: nn.Module) -> str | None:
+    if module.inplace:
+        return 'in-place dropout is not supported'
+    if not 0.0 < module.p < 1.0:
+        return f'p={module.p} saves no mask'
+    return None
+
+
+def _batchnorm_check(module: nn.Module) -> str | None:
+    if isinstance(module, nn.SyncBatchNorm):
+        return 'SyncBatchNorm needs the distributed handler (MesaSyncBatchNorm)'
+    return None
+
+
+register_handler(nn.Linear, 'linear', swap_to(MesaLinear))
+register_handler(nn.Conv2d, 'conv2d', swap_to(MesaConv2d), _conv_check)
+register_handler(nn.GELU, 'gelu', swap_to(MesaGELU))
+register_handler(nn.ReLU, 'relu', swap_to(MesaReLU))
+register_handler(nn.Softmax, 'softmax', swap_to(MesaSoftmax))
+register_handler(nn.LayerNorm, 'layernorm', swap_to(MesaLayerNorm))
+register_handler(_BatchNorm, 'batchnorm', swap_to(MesaBatchNorm), _batchnorm_check)
+register_handler(nn.Dropout, 'dropout', swap_to(MesaDropout), _dropout_check)
+register_handler(MatMul, 'matmul', swap_to(MesaMatMul))
+
+
+def _convert_mha(module: nn.Module, config: MesaConfig) -> tuple[str, ...]:
+    MesaMultiheadAttention.convert(module, config)
+    return ('out_proj',)  # used through its weight by the rewritten attention
+
+
+register_handler(nn.MultiheadAttention, 'attention', _convert_mha, unsupported_mha_reason)
+register_handler(NonDynamicallyQuantizableLinear, 'linear', swap_to(MesaLinear),
+                 lambda m: 'out_proj of nn.MultiheadAttention: only called through its weight, '
+                           'compressed when the attention is converted')
+
+
+def _register_optional() -> None:
+    try:
+        import mmcv  # noqa: F401
+        import mmseg  # noqa: F401
+    except ImportError:
+        return  # plain torch models still convert; OpenMMLab modules are simply absent
+    from .integrations.handlers import register_openmmlab_handlers
+    register_openmmlab_handlers()
+
+
+_register_optional()

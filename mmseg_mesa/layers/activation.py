@@ -1,0 +1,99 @@
+"""GELU (8-bit saved input) and ReLU (1-bit saved mask)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import PackedMask, load, save
+from .base import MesaModule, make_quantizer, no_autocast_backward
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def gelu_derivative(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """d GELU(x) / dx in fp32, for both of torch's variants."""
+    x = x.float()
+    if approximate == 'tanh':
+        inner = _SQRT_2_OVER_PI * (x + 0.044715 * x.pow(3))
+        t = torch.tanh(inner)
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+            1.0 + 3.0 * 0.044715 * x * x)
+    cdf = 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2))
+    return cdf + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+class MesaGELUFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, approximate: str,
+                quantizer: ActivationQuantizer) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        ctx.approximate = approximate
+        y = F.gelu(x, approximate=approximate)
+        save(ctx, quantizer.pack(x))
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (packed,) = load(ctx)
+        derivative = gelu_derivative(unpack(packed, torch.float32), ctx.approximate)
+        return (grad.float() * derivative).to(ctx.input_dtype), None, None
+
+
+class MesaGELU(MesaModule, nn.GELU):
+    """``nn.GELU`` whose saved input is quantized per channel group (last dim)."""
+
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())
+
+    def mesa_setup(self, config: MesaConfig, group_dim: int = -1, **options: Any) -> None:
+        super().mesa_setup(config)
+        self.quant_input = make_quantizer(config, group_dim=group_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaGELUFunction.apply(x, self.approximate, self.quant_input)
+
+
+class MesaReLUFunction(torch.autograd.Function):
+    """ReLU keeping only ``output > 0`` as one bit per element; supports in-place."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
+        if inplace:
+            ctx.mark_dirty(x)
+            y = torch.relu_(x)
+        else:
+            y = torch.relu(x)
+        save(ctx, PackedMask.of(y > 0))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (mask,) = load(ctx)
+        return grad * mask.unpack().to(grad.dtype), None
+
+
+class MesaReLU(MesaModule, nn.ReLU):
+    """``nn.ReLU`` that saves a 1-bit mask instead of its output."""
+
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaReLUFunction.apply(x, self.inplace)

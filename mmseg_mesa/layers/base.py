@@ -1,0 +1,107 @@
+"""What every Mesa module shares: activation checks, class swapping, autocast handling."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, QuantSpec
+
+M = TypeVar('M', bound=nn.Module)
+_SWAPPED: dict[tuple[type, type], type] = {}
+
+
+def quant_spec(config: MesaConfig, group_dim: int, group_size: int | None = None) -> QuantSpec:
+    """The spec for one saved activation; ``group_size=None`` means the config's channel groups."""
+    return QuantSpec(bits=config.bits, group_dim=group_dim,
+                     group_size=config.group_size if group_size is None else group_size,
+                     stochastic=config.stochastic_rounding, ema_decay=config.ema_decay,
+                     backend=config.backend)
+
+
+def make_quantizer(config: MesaConfig, group_dim: int, group_size: int | None = None
+                   ) -> ActivationQuantizer:
+    return ActivationQuantizer(quant_spec(config, group_dim, group_size))
+
+
+class MesaModule:
+    """Mixin of every Mesa module: a torch module whose saved activations are compressed.
+
+    Conversion swaps the class of an existing module in place (``convert``), so Parameters,
+    buffers, hooks, the training flag and state-dict names all stay what they were.
+    """
+
+    mesa_config: MesaConfig
+
+    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+        """Attach the quantizers; called once after the class swap (or from ``__init__``)."""
+        self.mesa_config = config
+
+    @classmethod
+    def convert(cls: type[M], module: nn.Module, config: MesaConfig, **options: Any) -> M:
+        """Turn ``module`` (an instance of this class's torch base) into this Mesa class, in place.
+
+        A subclass of the base (e.g. mmcv's ``Linear``) becomes a class deriving from both, so its
+        own behaviour stays on the unmodified path and ``isinstance`` checks keep working.
+        """
+        original = type(module)
+        base = next(b for b in cls.__bases__
+                    if issubclass(b, nn.Module) and not issubclass(b, MesaModule))
+        if not isinstance(module, base):
+            raise TypeError(f'{cls.__name__}.convert expects a {base.__name__}, '
+                            f'got {original.__name__}')
+        if original is base:
+            target = cls
+        else:
+            key = (cls, original)
+            if key not in _SWAPPED:
+                _SWAPPED[key] = type(cls.__name__, (cls, original),
+                                     {'__module__': cls.__module__,
+                                      '__qualname__': f'{cls.__qualname__}[{original.__name__}]'})
+            target = _SWAPPED[key]
+        module.__class__ = target
+        module.mesa_setup(config, **options)
+        return module
+
+    def mesa_active(self, *tensors: torch.Tensor | None) -> bool:
+        """Compress only when something will be saved for backward in a training step."""
+        if not (self.training and self.mesa_config.enabled and torch.is_grad_enabled()):  # type: ignore[attr-defined]
+            return False
+        return any(t is not None and t.requires_grad for t in tensors)
+
+
+def autocast_cast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Cast like autocast does for its lower-precision ops (linear, conv, matmul).
+
+    Running these ops ourselves with autocast disabled on the cast inputs gives bit-identical
+    outputs and tells us the dtype the backward must use.
+    """
+    first = next(t for t in tensors if t is not None)
+    device_type = first.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point()
+                 and t.dtype != torch.float64 else t for t in tensors)
+
+
+def no_autocast_backward(backward: Callable) -> Callable:
+    """Backward formulas pick their dtypes explicitly; an ambient autocast must not change them."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: torch.Tensor) -> Any:
+        with torch.autocast(ctx.device_type, enabled=False):
+            return backward(ctx, *grads)
+
+    return wrapper
+
+
+def sum_to(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """Reduce a broadcast gradient to the shape and dtype of the input it belongs to."""
+    if grad.shape != shape:
+        grad = grad.sum_to_size(shape)
+    return grad.to(dtype)

@@ -1,0 +1,94 @@
+"""Conv2d with an 8-bit saved input."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import load, save
+from .base import MesaModule, autocast_cast, make_quantizer, no_autocast_backward
+
+
+def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> torch.Tensor:
+    """Gradient through ``F.pad(x, pad, mode)`` (only the shape of x matters)."""
+    with torch.enable_grad():
+        probe = torch.zeros(shape, dtype=grad.dtype, device=grad.device, requires_grad=True)
+        (result,) = torch.autograd.grad(F.pad(probe, pad, mode=mode), probe, grad)
+    return result
+
+
+class MesaConv2dFunction(torch.autograd.Function):
+    """``F.conv2d`` (numeric padding) keeping a packed input; backward via ``torch.nn.grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                stride: tuple, padding: tuple, dilation: tuple, groups: int,
+                quantizer: ActivationQuantizer, explicit_pad: tuple | None = None,
+                pad_mode: str = 'zeros') -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        ctx.conv_args = (stride, padding, dilation, groups)
+        ctx.explicit_pad = (explicit_pad, pad_mode, x.shape) if explicit_pad else None
+        if explicit_pad:
+            # Reflect/replicate/circular padding: torch's pad would save the unpadded input in
+            # full precision, so we pad here and undo it in backward.
+            x = F.pad(x, explicit_pad, mode=pad_mode)
+        xc, wc, bc = autocast_cast(x, weight, bias)
+        with torch.autocast(ctx.device_type, enabled=False):
+            y = F.conv2d(xc, wc, bc, stride, padding, dilation, groups)
+        ctx.compute_dtype = xc.dtype
+        ctx.input_shape = x.shape
+        packed = quantizer.pack(xc) if ctx.needs_input_grad[1] else None
+        save(ctx, packed, weight)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        packed, weight = load(ctx)
+        grad = grad.to(ctx.compute_dtype)
+        w = weight.to(ctx.compute_dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, w, grad, *ctx.conv_args)
+            if ctx.explicit_pad:
+                grad_x = unpad_grad(grad_x, *ctx.explicit_pad)
+            grad_x = grad_x.to(ctx.input_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.nn.grad.conv2d_weight(unpack(packed), w.shape, grad, *ctx.conv_args)
+            grad_w = grad_w.to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = grad.sum((0, 2, 3)).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+class MesaConv2d(MesaModule, nn.Conv2d):
+    """``nn.Conv2d`` whose saved input is quantized per channel group (dim 1).
+
+    String padding (``'same'``/``'valid'``) is not supported; conversion leaves such layers alone.
+    """
+
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())
+
+    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+        if isinstance(self.padding, str):
+            raise ValueError(f'MesaConv2d: string padding {self.padding!r} is not supported')
+        super().mesa_setup(config)
+        self.quant_input = make_quantizer(config, group_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x, self.weight, self.bias):
+            return super().forward(x)
+        if self.padding_mode != 'zeros':
+            # nn.Conv2d pads explicitly for these modes, then convolves without padding.
+            return MesaConv2dFunction.apply(
+                x, self.weight, self.bias, self.stride, (0, 0), self.dilation, self.groups,
+                self.quant_input, tuple(self._reversed_padding_repeated_twice), self.padding_mode)
+        return MesaConv2dFunction.apply(x, self.weight, self.bias, self.stride, self.padding,
+                                        self.dilation, self.groups, self.quant_input)

@@ -1,0 +1,75 @@
+"""Dropout and DropPath saving 1-bit keep masks."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import MesaConfig
+from ..saved import PackedMask, load, save
+from .base import MesaModule
+
+
+def dropout_with_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exactly ``F.dropout(x, p, training=True)`` for 0 < p < 1, plus its keep mask.
+
+    Same random draws as torch: the fused ``native_dropout`` on accelerators, Bernoulli noise
+    on the CPU, so a seeded run gives bit-identical outputs.
+    """
+    if x.device.type != 'cpu':
+        return torch.native_dropout(x, p, True)
+    noise = torch.empty_like(x).bernoulli_(1 - p)
+    mask = noise != 0
+    noise.div_(1 - p)
+    return x * noise, mask
+
+
+class MesaDropoutFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, p: float) -> torch.Tensor:
+        ctx.p = p
+        y, mask = dropout_with_mask(x, p)
+        save(ctx, PackedMask.of(mask))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (mask,) = load(ctx)
+        return grad * (mask.unpack().to(grad.dtype) / (1 - ctx.p)), None
+
+
+class MesaDropout(MesaModule, nn.Dropout):
+    """``nn.Dropout`` keeping a 1-bit mask instead of the scaled noise tensor."""
+
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x) or not 0.0 < self.p < 1.0 or self.inplace or x.numel() == 0:
+            return super().forward(x)
+        return MesaDropoutFunction.apply(x, self.p)
+
+
+class MesaDropPathFunction(torch.autograd.Function):
+    """mmcv's ``drop_path`` (per-sample stochastic depth), keeping one bit per sample."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, drop_prob: float) -> torch.Tensor:
+        keep_prob = 1 - drop_prob
+        shape = (x.shape[0],) + (1,) * (x.dim() - 1)
+        keep = (keep_prob + torch.rand(shape, dtype=x.dtype, device=x.device)).floor_()
+        ctx.keep_prob = keep_prob
+        save(ctx, PackedMask.of(keep != 0))
+        return x.div(keep_prob) * keep
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (mask,) = load(ctx)
+        return (grad * mask.unpack().to(grad.dtype)).div(ctx.keep_prob), None
+
+
+def drop_path_probability(module: nn.Module) -> float:
+    return float(getattr(module, 'drop_prob', 0.0))

@@ -1,0 +1,63 @@
+"""Linear with an 8-bit saved input."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import load, save
+from .base import MesaModule, autocast_cast, make_quantizer, no_autocast_backward
+
+
+class MesaLinearFunction(torch.autograd.Function):
+    """``F.linear`` that keeps a packed copy of its input (and the weight Parameter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                quantizer: ActivationQuantizer) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        xc, wc, bc = autocast_cast(x, weight, bias)
+        with torch.autocast(ctx.device_type, enabled=False):
+            y = F.linear(xc, wc, bc)
+        ctx.compute_dtype = xc.dtype
+        packed = quantizer.pack(xc) if ctx.needs_input_grad[1] else None
+        save(ctx, packed, weight)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        packed, weight = load(ctx)
+        grad = grad.to(ctx.compute_dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight.to(ctx.compute_dtype)).to(ctx.input_dtype)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            x = unpack(packed)
+            grad_w = (grad_2d.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = grad_2d.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+class MesaLinear(MesaModule, nn.Linear):
+    """``nn.Linear`` whose saved input is quantized per channel group (last dim)."""
+
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())
+
+    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+        super().mesa_setup(config)
+        self.quant_input = make_quantizer(config, group_dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x, self.weight, self.bias):
+            return super().forward(x)
+        return MesaLinearFunction.apply(x, self.weight, self.bias, self.quant_input)

@@ -1,0 +1,76 @@
+"""``a @ b`` as a module, both operands saved in 8 bits (attention's two matmuls)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import load, save
+from .base import MesaModule, autocast_cast, make_quantizer, no_autocast_backward, sum_to
+
+
+class MesaMatMulFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, quant_a: ActivationQuantizer,
+                quant_b: ActivationQuantizer) -> torch.Tensor:
+        ctx.device_type = a.device.type
+        ac, bc = autocast_cast(a, b)
+        with torch.autocast(ctx.device_type, enabled=False):
+            y = torch.matmul(ac, bc)
+        ctx.compute_dtype = ac.dtype
+        ctx.a_meta = (a.shape, a.dtype)
+        ctx.b_meta = (b.shape, b.dtype)
+        # grad of a needs b and vice versa.
+        packed_b = quant_b.pack(bc) if ctx.needs_input_grad[0] else None
+        packed_a = quant_a.pack(ac) if ctx.needs_input_grad[1] else None
+        save(ctx, packed_a, packed_b)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        packed_a, packed_b = load(ctx)
+        grad = grad.to(ctx.compute_dtype)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = grad @ unpack(packed_b).transpose(-2, -1)
+            grad_a = sum_to(grad_a, *ctx.a_meta)
+        if ctx.needs_input_grad[1]:
+            grad_b = unpack(packed_a).transpose(-2, -1) @ grad
+            grad_b = sum_to(grad_b, *ctx.b_meta)
+        return grad_a, grad_b, None, None
+
+
+class MatMul(nn.Module):
+    """``a @ b`` as a module, so that a model can mark the matmuls Mesa may compress."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+
+class MesaMatMul(MesaModule, MatMul):
+    """``forward(a, b) = a @ b``, compressing operands of 2 or more dims.
+
+    Both operands are quantized with one group per index of ``group_dim`` (dim 1: one group per
+    head for ``(B, heads, N, d)`` attention operands).
+    """
+
+    def __init__(self, mesa_config: MesaConfig | None = None, group_dim: int = 1,
+                 group_size: int = 1) -> None:
+        super().__init__()
+        self.mesa_setup(mesa_config or MesaConfig(), group_dim=group_dim, group_size=group_size)
+
+    def mesa_setup(self, config: MesaConfig, group_dim: int = 1, group_size: int = 1,
+                   **options: Any) -> None:
+        super().mesa_setup(config)
+        self.quant_a = make_quantizer(config, group_dim=group_dim, group_size=group_size)
+        self.quant_b = make_quantizer(config, group_dim=group_dim, group_size=group_size)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(a, b) or a.dim() < 2 or b.dim() < 2:
+            return super().forward(a, b)
+        return MesaMatMulFunction.apply(a, b, self.quant_a, self.quant_b)

@@ -1,0 +1,190 @@
+"""LayerNorm and BatchNorm with 8-bit saved inputs."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import load, save
+from .base import MesaModule, make_quantizer, no_autocast_backward
+
+
+class MesaLayerNormFunction(torch.autograd.Function):
+    """``F.layer_norm`` saving only the packed input.
+
+    Backward recomputes mean and 1/std from the dequantized input: 8-bit noise changes the
+    variance by about ``step**2 / 12`` (about 5e-5 of it for a range of 6 sigma), far below the
+    error of the normalized values themselves, and it saves 8 bytes per token.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, normalized_shape: tuple, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float, quantizer: ActivationQuantizer
+                ) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        ctx.eps = eps
+        ctx.norm_dims = tuple(range(-len(normalized_shape), 0))
+        y = F.layer_norm(x, normalized_shape, weight, bias, eps)
+        save(ctx, quantizer.pack(x), weight, bias)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        packed, weight, bias = load(ctx)
+        x = unpack(packed, torch.float32)
+        dims = ctx.norm_dims
+        var, mean = torch.var_mean(x, dim=dims, correction=0, keepdim=True)
+        rstd = torch.rsqrt(var + ctx.eps)
+        x_norm = (x - mean) * rstd
+        g = grad.float()
+        batch_dims = tuple(range(g.dim() - len(dims)))
+        grad_w = grad_b = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            grad_w = (g * x_norm).sum(batch_dims).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[3]:
+            grad_b = g.sum(batch_dims).to(bias.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            g_norm = g * weight.float() if weight is not None else g
+            grad_x = rstd * (g_norm - g_norm.mean(dims, keepdim=True)
+                             - x_norm * (g_norm * x_norm).mean(dims, keepdim=True))
+            grad_x = grad_x.to(ctx.input_dtype)
+        return grad_x, None, grad_w, grad_b, None, None
+
+
+class MesaLayerNorm(MesaModule, nn.LayerNorm):
+    """``nn.LayerNorm`` whose saved input is quantized per channel group (last dim)."""
+
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())
+
+    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+        super().mesa_setup(config)
+        self.quant_input = make_quantizer(config, group_dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x, self.weight, self.bias):
+            return super().forward(x)
+        return MesaLayerNormFunction.apply(x, tuple(self.normalized_shape), self.weight,
+                                           self.bias, self.eps, self.quant_input)
+
+
+def batch_norm_grads(grad: torch.Tensor, x_norm: torch.Tensor, invstd: torch.Tensor,
+                     weight: torch.Tensor | None, sum_dy: torch.Tensor,
+                     sum_dy_xnorm: torch.Tensor, count: float) -> torch.Tensor:
+    """Input gradient of training-mode batch norm from (possibly all-reduced) channel sums.
+
+    ``x_norm = (x - mean) * invstd``; all per-channel tensors are shaped to broadcast over x.
+    """
+    scale = invstd if weight is None else invstd * weight.float().view_as(invstd)
+    return scale * (grad - sum_dy / count - x_norm * (sum_dy_xnorm / count))
+
+
+class MesaBatchNormFunction(torch.autograd.Function):
+    """Training-mode ``F.batch_norm`` saving the packed *normalized* input and 1/std per channel.
+
+    The normalized input ``(x - mean) / std`` is what backward needs, and unlike ``x`` it is
+    equally well conditioned in every channel: with very few values per channel (PPM's 1x1
+    pooled branch sees batch-size values) the spread of ``x`` within a channel can be far below
+    a quantization step of ``x``'s range, which wrecked gradients. Backward re-standardizes the
+    dequantized values, so the input gradient stays exactly orthogonal to per-channel constants
+    (a bias in front of BatchNorm keeps its analytically zero gradient).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, running_mean: torch.Tensor | None,
+                running_var: torch.Tensor | None, momentum: float, eps: float,
+                quantizer: ActivationQuantizer) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        ctx.eps = eps
+        y = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+        dims = [0] + list(range(2, x.dim()))
+        with torch.no_grad():
+            var, mean = torch.var_mean(x.float(), dim=dims, correction=0, keepdim=True)
+            invstd = torch.rsqrt(var + eps)
+            x_norm = (x.float() - mean) * invstd
+            packed = quantizer.pack(x_norm)
+        save(ctx, packed, invstd, weight, bias)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        packed, invstd, weight, bias = load(ctx)
+        g = grad.float()
+        dims = [0] + list(range(2, g.dim()))
+        x_norm = standardize(unpack(packed, torch.float32), dims, invstd, ctx.eps)
+        sum_dy = g.sum(dims, keepdim=True)
+        sum_dy_xnorm = (g * x_norm).sum(dims, keepdim=True)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            count = g.numel() / g.shape[1]
+            grad_x = batch_norm_grads(g, x_norm, invstd, weight, sum_dy, sum_dy_xnorm,
+                                      count).to(ctx.input_dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_w = sum_dy_xnorm.flatten().to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_b = sum_dy.flatten().to(bias.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def standardize(x_norm: torch.Tensor, dims: list[int], invstd: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """Restore the exact per-channel moments of ``(x - mean) * invstd`` after dequantization.
+
+    Its mean is 0 and its variance ``var / (var + eps) = 1 - eps * invstd**2`` (well below 1 when
+    a channel's variance is small next to eps, as in PPM's pooled 1x1 branch).
+    """
+    var, mean = torch.var_mean(x_norm, dim=dims, correction=0, keepdim=True)
+    target = (1.0 - eps * invstd.square()).clamp_min(0.0)
+    return (x_norm - mean) * torch.sqrt(target / var.clamp_min(1e-30))
+
+
+def batch_norm_momentum(bn: _BatchNorm) -> float:
+    """The exponential-average factor ``_BatchNorm.forward`` would use (updates the counter)."""
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    return factor
+
+
+class MesaBatchNorm(MesaModule, _BatchNorm):
+    """Any single-process BatchNorm (1d/2d/3d, mmengine's ``_BatchNormXd``), input saved in 8 bits.
+
+    Running statistics are updated exactly as torch does; eval mode runs the torch path. The
+    normalized input is quantized with one group per channel (the statistics are per channel
+    anyway, and 2 floats per channel cost nothing next to the activation).
+    """
+
+    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+        super().mesa_setup(config)
+        self.quant_input = make_quantizer(config, group_dim=1, group_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x, self.weight, self.bias):
+            return super().forward(x)
+        self._check_input_dim(x)
+        momentum = batch_norm_momentum(self)
+        track = self.track_running_stats
+        return MesaBatchNormFunction.apply(
+            x, self.weight, self.bias, self.running_mean if track else None,
+            self.running_var if track else None, momentum, self.eps, self.quant_input)
+
+
+class MesaBatchNorm2d(MesaBatchNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` with an 8-bit saved input."""
+
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        nn.BatchNorm2d.__init__(self, *args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())

@@ -1,0 +1,62 @@
+"""Softmax that saves only its output (the original Mesa saved input and output)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import load, save
+from .base import MesaModule, make_quantizer, no_autocast_backward
+
+
+class MesaSoftmaxFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, quantizer: ActivationQuantizer
+                ) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        ctx.dim = dim
+        y = F.softmax(x, dim)
+        save(ctx, quantizer.pack(y))
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (packed,) = load(ctx)
+        y = unpack(packed, torch.float32)
+        g = grad.float()
+        grad_x = y * (g - (g * y).sum(ctx.dim, keepdim=True))
+        return grad_x.to(ctx.input_dtype), None, None
+
+
+def softmax_dim(dim: int | None, ndim: int) -> int:
+    """nn.Softmax's legacy rule when ``dim`` is None."""
+    if dim is not None:
+        return dim
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+class MesaSoftmax(MesaModule, nn.Softmax):
+    """``nn.Softmax`` saving its 8-bit output, one quantization group per index of dim 1.
+
+    For attention maps ``(B, heads, N, N)`` that is one group per head, as in Mesa.
+    """
+
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())
+
+    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+        super().mesa_setup(config)
+        self.quant_output = make_quantizer(config, group_dim=1, group_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x) or x.dim() < 2:
+            return super().forward(x)
+        return MesaSoftmaxFunction.apply(x, softmax_dim(self.dim, x.dim()), self.quant_output)

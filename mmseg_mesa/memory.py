@@ -1,0 +1,73 @@
+"""Measuring activation memory: bytes of tensors autograd saves for backward.
+
+On CPU this is the honest measure of what Mesa changes (allocator peaks are not observable);
+storages are counted once however many tensors view them, and Parameters are excluded because
+they are not activations. Every Mesa layer saves through ``ctx.save_for_backward``, so the hooks
+see its packed data.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SavedTensorReport:
+    """Deduplicated bytes saved for backward, in total and by the innermost module's type."""
+
+    total_bytes: int = 0
+    by_type: Counter = field(default_factory=Counter)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    return str(t.device), storage.data_ptr()
+
+
+@contextmanager
+def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorReport]:
+    """Count what autograd saves inside the ``with`` block.
+
+    Args:
+        model: If given, its Parameters and buffers are excluded and bytes are attributed to the
+            type of the innermost module running when they were saved (``'<functional>'`` when
+            none). Defaults to None.
+    """
+    report = SavedTensorReport()
+    seen: set[tuple[str, int]] = set()
+    excluded: set[tuple[str, int]] = set()
+    stack: list[str] = []
+    handles = []
+    if model is not None:
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.numel():
+                excluded.add(_storage_key(tensor))
+        for module in model.modules():
+            if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+                continue
+            name = type(module).__name__
+            handles.append(module.register_forward_pre_hook(
+                lambda _m, _i, name=name: stack.append(name)))
+            handles.append(module.register_forward_hook(lambda *_: stack.pop() and None))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            key = _storage_key(t)
+            if key not in seen and key not in excluded:
+                seen.add(key)
+                nbytes = t.untyped_storage().nbytes()
+                report.total_bytes += nbytes
+                report.by_type[stack[-1] if stack else '<functional>'] += nbytes
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield report
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,69 @@
+"""Saving packed activations through ``ctx.save_for_backward``.
+
+Every tensor a Mesa layer keeps for backward goes through ``ctx.save_for_backward`` (so autograd's
+saved-tensor hooks, version checks and memory accounting see it). ``Packed`` activations and bit
+masks are flattened into their tensors here and rebuilt in backward; layers never see the layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .bitpack import pack_mask, unpack_mask
+from .quantizer import Packed
+
+
+@dataclass
+class PackedMask:
+    """A boolean tensor stored as 1 bit per element."""
+
+    data: torch.Tensor
+    shape: torch.Size
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> PackedMask:
+        return cls(pack_mask(mask), mask.shape)
+
+    def unpack(self) -> torch.Tensor:
+        return unpack_mask(self.data, self.shape)
+
+
+Saveable = torch.Tensor | Packed | PackedMask | None
+
+
+def save(ctx: Any, *items: Saveable) -> None:
+    """``ctx.save_for_backward`` for tensors, packed activations, masks and None."""
+    flat: list[torch.Tensor | None] = []
+    layout: list[tuple] = []
+    for item in items:
+        if isinstance(item, Packed):
+            tensors = item.tensors()
+            layout.append(('packed', len(tensors), item.meta()))
+            flat.extend(tensors)
+        elif isinstance(item, PackedMask):
+            layout.append(('mask', 1, item.shape))
+            flat.append(item.data)
+        else:
+            layout.append(('tensor', 1, None))
+            flat.append(item)
+    ctx.save_for_backward(*flat)
+    ctx.mesa_layout = layout
+
+
+def load(ctx: Any) -> list[Saveable]:
+    """The items given to :func:`save`, in order."""
+    flat = ctx.saved_tensors
+    items: list[Saveable] = []
+    pos = 0
+    for kind, count, meta in ctx.mesa_layout:
+        chunk = flat[pos:pos + count]
+        pos += count
+        if kind == 'packed':
+            items.append(Packed.rebuild(tuple(chunk), meta))
+        elif kind == 'mask':
+            items.append(PackedMask(chunk[0], meta))
+        else:
+            items.append(chunk[0])
+    return items

@@ -1,0 +1,24 @@
+import math
+
+import pytest
+import torch
+
+
+def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``test`` against ``reference``, in dB."""
+    reference = reference.double()
+    noise = (test.double() - reference).pow(2).sum().item()
+    signal = reference.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(),
+                                                 dim=0).item()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

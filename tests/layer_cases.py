@@ -1,0 +1,74 @@
+"""Each Mesa layer next to the torch layer it replaces, with inputs of awkward shapes."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mmseg_mesa import (
+    MesaBatchNorm,
+    MesaConfig,
+    MesaConv2d,
+    MesaDropout,
+    MesaGELU,
+    MesaLayerNorm,
+    MesaLinear,
+    MesaMatMul,
+    MesaReLU,
+    MesaSoftmax,
+)
+
+
+class TorchMatMul(nn.Module):
+    def forward(self, a, b):
+        return a @ b
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[[], nn.Module]
+    shapes: list[tuple[int, ...]]
+    mesa: Callable[[nn.Module, MesaConfig], nn.Module]
+    exact_grad: bool = False  # ReLU / Dropout masks are lossless
+    memory_shapes: list[tuple[int, ...]] | None = None  # big enough that group stats are small
+    input_scale: float = 1.0
+
+    def inputs(self, dtype=torch.float32, big=False):
+        shapes = (self.memory_shapes or [(2 * s[0],) + s[1:] for s in self.shapes]) if big \
+            else self.shapes
+        return [(torch.randn(s) * self.input_scale).to(dtype).requires_grad_() for s in shapes]
+
+
+def _swap(cls):
+    return lambda module, cfg: cls.convert(module, cfg)
+
+
+CASES = [
+    Case('linear', lambda: nn.Linear(37, 45), [(3, 7, 37)], _swap(MesaLinear)),
+    Case('linear_nobias', lambda: nn.Linear(64, 16, bias=False), [(5, 64)], _swap(MesaLinear)),
+    Case('conv2d', lambda: nn.Conv2d(5, 7, 3, stride=2, padding=1), [(2, 5, 9, 11)],
+         _swap(MesaConv2d)),
+    Case('conv2d_grouped_dilated', lambda: nn.Conv2d(6, 4, 3, padding=2, dilation=2, groups=2),
+         [(2, 6, 8, 7)], _swap(MesaConv2d)),
+    Case('conv2d_reflect', lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode='reflect'),
+         [(2, 3, 6, 5)], _swap(MesaConv2d)),
+    Case('gelu', lambda: nn.GELU(), [(3, 7, 37)], _swap(MesaGELU)),
+    Case('gelu_tanh', lambda: nn.GELU(approximate='tanh'), [(3, 7, 37)], _swap(MesaGELU)),
+    Case('softmax', lambda: nn.Softmax(dim=-1), [(2, 3, 7, 9)], _swap(MesaSoftmax)),
+    Case('layernorm', lambda: nn.LayerNorm(37), [(3, 7, 37)], _swap(MesaLayerNorm)),
+    Case('layernorm_noaffine', lambda: nn.LayerNorm(20, elementwise_affine=False),
+         [(4, 20)], _swap(MesaLayerNorm)),
+    Case('batchnorm2d', lambda: nn.BatchNorm2d(5), [(4, 5, 6, 7)], _swap(MesaBatchNorm)),
+    # PPM's pooled branch: two values per channel, spread far below eps (variance << 1e-5).
+    Case('batchnorm2d_two_values', lambda: nn.BatchNorm2d(8), [(2, 8, 1, 1)],
+         _swap(MesaBatchNorm), input_scale=1e-3, memory_shapes=[(64, 8, 4, 4)]),
+    Case('relu', lambda: nn.ReLU(), [(3, 7, 37)], _swap(MesaReLU), exact_grad=True),
+    Case('dropout', lambda: nn.Dropout(0.3), [(3, 7, 37)], _swap(MesaDropout), exact_grad=True),
+    Case('matmul', lambda: TorchMatMul(), [(2, 3, 7, 5), (2, 3, 5, 6)],
+         lambda _m, cfg: MesaMatMul(cfg), memory_shapes=[(4, 3, 49, 32), (4, 3, 32, 49)]),
+    Case('matmul_broadcast', lambda: TorchMatMul(), [(2, 3, 7, 5), (3, 5, 6)],
+         lambda _m, cfg: MesaMatMul(cfg), memory_shapes=[(4, 3, 49, 32), (3, 32, 49)]),
+]

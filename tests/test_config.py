@@ -1,0 +1,53 @@
+import dataclasses
+
+import pytest
+
+from mmseg_mesa import MesaConfig
+from mmseg_mesa.config import LAYER_TYPES
+
+
+def test_defaults_are_the_papers():
+    cfg = MesaConfig()
+    assert cfg.bits == 8 and cfg.ema_decay == 0.9 and cfg.stochastic_rounding
+    assert cfg.layers == frozenset(LAYER_TYPES)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.bits = 4
+
+
+@pytest.mark.parametrize('key, value, allowed', [
+    ('bits', 3, '2, 4, 8'),
+    ('bits', 16, '2, 4, 8'),
+    ('bits', True, '2, 4, 8'),
+    ('group_size', 0, 'integer >= 1'),
+    ('ema_decay', 1.0, '[0, 1)'),
+    ('ema_decay', -0.1, '[0, 1)'),
+    ('backend', 'triton', 'auto, cuda, torch'),
+    ('layers', ['linear', 'lstm'], 'linear'),
+    ('layers', 'linear', 'a collection'),
+    ('stochastic_rounding', 1, 'True or False'),
+    ('skip', (1,), 'fnmatch patterns'),
+])
+def test_bad_values_name_key_and_allowed(key, value, allowed):
+    with pytest.raises(ValueError) as err:
+        MesaConfig(**{key: value})
+    assert key in str(err.value) and allowed in str(err.value)
+
+
+def test_from_cfg_forms():
+    assert MesaConfig.from_cfg(None) is None
+    assert MesaConfig.from_cfg(False) is None
+    assert MesaConfig.from_cfg(True) == MesaConfig()
+    cfg = MesaConfig.from_cfg(dict(bits=4, layers=['linear', 'gelu'], skip=['decode_head.*']))
+    assert cfg.bits == 4 and cfg.layers == {'linear', 'gelu'} and cfg.skip == ('decode_head.*',)
+
+
+def test_from_cfg_unknown_key_lists_valid_ones():
+    with pytest.raises(ValueError) as err:
+        MesaConfig.from_cfg(dict(bit=8))
+    message = str(err.value)
+    assert "'bit'" in message and 'bits' in message and 'ema_decay' in message
+
+
+def test_from_cfg_rejects_other_types():
+    with pytest.raises(ValueError, match='mesa must be'):
+        MesaConfig.from_cfg('yes')

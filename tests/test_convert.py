@@ -1,0 +1,156 @@
+import copy
+
+import pytest
+import torch
+from conftest import cosine
+from torch import nn
+
+from mmseg_mesa import MatMul, MesaConfig, MesaLinear, MesaModule, convert_to_mesa
+from mmseg_mesa.memory import count_saved_tensors
+
+
+class Block(nn.Module):
+    """A small pre-norm transformer block built from plain torch modules."""
+
+    def __init__(self, dim=48, heads=3):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.qk = MatMul()
+        self.softmax = nn.Softmax(dim=-1)
+        self.av = MatMul()
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, dim * 4)
+        self.act = nn.GELU()
+        self.drop = nn.Dropout(0.1)
+        self.fc2 = nn.Linear(dim * 4, dim)
+        self.head = nn.Sequential(nn.Conv2d(dim, 16, 1), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = self.softmax(self.qk(q * (c // self.heads) ** -0.5, k.transpose(-2, -1)))
+        x = x + self.proj(self.av(attn, v).transpose(1, 2).reshape(b, n, c))
+        x = x + self.fc2(self.drop(self.act(self.fc1(self.norm2(x)))))
+        side = int(n ** 0.5)
+        # the residual stream is an output too: behind BatchNorm alone, per-channel biases
+        # would have (analytically) zero gradients and comparing them would compare noise.
+        return self.head(x.transpose(1, 2).reshape(b, c, side, side)), x
+
+
+def loss_of(outputs):
+    return sum(o.square().mean() for o in outputs)
+
+
+def test_conversion_keeps_identity_names_and_parameters():
+    model = Block()
+    reference = copy.deepcopy(model)
+    params = {name: p for name, p in model.named_parameters()}
+    buffers = {name: b for name, b in model.named_buffers()}
+    report = convert_to_mesa(model)
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    assert {n: p for n, p in model.named_parameters()} == params
+    assert all(dict(model.named_buffers())[n] is b for n, b in buffers.items())
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert model.training
+    assert isinstance(model.qkv, MesaLinear) and isinstance(model.qkv, nn.Linear)
+    assert set(report.converted) == {'norm1', 'qkv', 'qk', 'softmax', 'av', 'proj', 'norm2',
+                                     'fc1', 'act', 'drop', 'fc2', 'head.0', 'head.1', 'head.2'}
+    assert report.left['pool'] == ('AdaptiveAvgPool2d', 'no Mesa handler for AdaptiveAvgPool2d')
+    assert 'Linear' in report.format() and 'AdaptiveAvgPool2d' in report.format()
+    # loading the original state dict needs no key mapping.
+    model.load_state_dict(reference.state_dict(), strict=True)
+
+
+def test_converted_block_is_exact_forward_and_close_backward():
+    model = Block()
+    reference = copy.deepcopy(model)
+    convert_to_mesa(model)
+    x = torch.randn(2, 16, 48)
+    torch.manual_seed(1)
+    y_ref = reference(x)
+    torch.manual_seed(1)
+    y = model(x)
+    assert all(torch.equal(a, b) for a, b in zip(y, y_ref))
+    loss_of(y).backward()
+    loss_of(y_ref).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad.norm() < 1e-6:  # analytically zero (a bias in front of BatchNorm)
+            assert p.grad.norm() < 1e-6, name
+        else:
+            assert cosine(p.grad, q.grad) >= 0.99, name
+
+
+def test_converted_block_saves_less_than_a_third():
+    model = Block()
+    reference = copy.deepcopy(model)
+    convert_to_mesa(model)
+    x = torch.randn(4, 64, 48)
+    with count_saved_tensors(reference) as base:
+        reference(x)
+    with count_saved_tensors(model) as mesa:
+        model(x)
+    assert mesa.total_bytes < 0.27 * base.total_bytes
+
+
+def test_optimizer_built_before_conversion_still_trains():
+    torch.manual_seed(0)
+    model = Block()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    convert_to_mesa(model)
+    x = torch.randn(8, 16, 48)
+    target = torch.randn(8, 16, 4, 4)
+    losses = []
+    for _ in range(15):
+        optimizer.zero_grad()
+        loss = (model(x)[0] - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    # quantizer estimates never reach the optimizer.
+    optimized = {id(p) for group in optimizer.param_groups for p in group['params']}
+    assert optimized == {id(p) for p in model.parameters()}
+
+
+def test_filter_skip_and_layer_switches():
+    model = Block()
+    report = convert_to_mesa(
+        model, config=MesaConfig(layers={'linear', 'layernorm'}, skip=('fc*',)),
+        module_filter_fn=lambda module, name: name != 'proj')
+    assert set(report.converted) == {'norm1', 'qkv', 'norm2'}
+    assert report.left['fc1'][1] == "skipped by pattern 'fc*'"
+    assert report.left['proj'][1] == 'excluded by module_filter_fn'
+    assert report.left['act'][1] == "layer type 'gelu' not in config.layers"
+    assert not isinstance(model.act, MesaModule)
+
+
+def test_nothing_to_convert_is_an_error():
+    with pytest.raises(ValueError, match='nothing to convert in Sequential'):
+        convert_to_mesa(nn.Sequential(nn.Identity(), nn.AdaptiveAvgPool2d(1)))
+
+
+def test_converting_twice_is_harmless():
+    model = Block()
+    convert_to_mesa(model)
+    report = convert_to_mesa(model)
+    assert report.converted == {}
+
+
+def test_subclass_keeps_its_type():
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(MyLinear(4, 4))
+    convert_to_mesa(model)
+    assert isinstance(model[0], MyLinear) and isinstance(model[0], MesaLinear)
+    copy.deepcopy(model)(torch.randn(2, 4, requires_grad=True)).sum().backward()
+
+
+def test_report_lists_leaves_without_handler_once():
+    model = Block()
+    report = convert_to_mesa(model)
+    assert list(report.left) == ['pool']
