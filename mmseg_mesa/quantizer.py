@@ -4,7 +4,9 @@
 ``group_dim`` are split into groups of ``group_size`` consecutive channels (the last group may be
 shorter); each group gets an offset (``lower``) and a ``scale`` derived from running estimates of
 its min and range: the first observed training batch is taken as it is, later batches are blended
-in with an EMA, as in Mesa.
+in with an EMA, as in Mesa. Unlike Mesa, a batch whose values fall outside the running range is
+quantized over the running range widened to cover it, instead of being clipped (see
+``ema_update``).
 
 Numerics (the CUDA kernels reproduce them exactly under deterministic rounding):
 ``levels = 2**bits - 1``, ``scale = span / levels`` (1 where ``span == 0``),
@@ -131,8 +133,14 @@ def group_min_max(x: torch.Tensor, group_dim: int, group_size: int
 
 
 def ema_update(lower: torch.Tensor, span: torch.Tensor, seen: torch.Tensor, lo: torch.Tensor,
-               hi: torch.Tensor, decay: float) -> None:
-    """In-place running-estimate update; groups without finite values keep their estimate."""
+               hi: torch.Tensor, decay: float) -> torch.Tensor:
+    """In-place running-estimate update; returns the range to quantize this batch with.
+
+    Groups without finite values keep their estimate. The returned ``(2, G)`` tensor holds
+    ``lower`` and ``span`` of the running range widened to cover this batch: values outside the
+    running range are never clipped (Mesa clips them; on Swin-T / DeiT-S UPerNet that cost up to
+    0.2 of gradient cosine in the layers with few values per channel).
+    """
     valid = torch.isfinite(lo) & torch.isfinite(hi)
     batch_span = hi - lo
     blended_lower = torch.where(seen, decay * lower + (1.0 - decay) * lo, lo)
@@ -140,6 +148,10 @@ def ema_update(lower: torch.Tensor, span: torch.Tensor, seen: torch.Tensor, lo: 
     lower.copy_(torch.where(valid, blended_lower, lower))
     span.copy_(torch.where(valid, blended_span, span))
     seen.logical_or_(valid)
+    upper = lower + span
+    cover_lower = torch.where(valid, torch.minimum(lower, lo), lower)
+    cover_span = torch.where(valid, torch.maximum(upper, hi) - cover_lower, span)
+    return torch.stack([cover_lower, cover_span])
 
 
 def scale_from_span(span: torch.Tensor, bits: int) -> torch.Tensor:
@@ -184,7 +196,7 @@ def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tens
     else:
         codes = quantize_reference(x, lower, scale, spec, group_dim)
     data = codes if spec.bits == 8 else pack_bits(codes, spec.bits)
-    return Packed(data, lower.clone(), scale, x.shape, x.dtype, spec.bits, group_dim,
+    return Packed(data, lower, scale, x.shape, x.dtype, spec.bits, group_dim,
                   spec.group_size, spec.backend)
 
 
@@ -233,22 +245,21 @@ class ActivationQuantizer(nn.Module):
                 setattr(self, name, buf)
             buf.resize_(groups).zero_()
 
-    def observe(self, x: torch.Tensor) -> None:
-        """Update the running estimates with one batch."""
+    def observe(self, x: torch.Tensor) -> torch.Tensor:
+        """Update the running estimates with one batch; return this batch's ``(2, G)`` range."""
         group_dim = self.spec.group_dim % x.dim()
         groups = self.spec.num_groups(x.shape[group_dim])
         self._ensure_groups(groups, x.device)
         kernel = _backend.kernels_for(x, self.spec.backend)
         with torch.no_grad():
             if kernel is not None:
-                kernel.observe(x.contiguous(), self.lower, self.span, self.seen, group_dim,
-                               self.spec.group_size, self.spec.ema_decay)
-            else:
-                lo, hi = group_min_max(x.detach(), group_dim, self.spec.group_size)
-                ema_update(self.lower, self.span, self.seen, lo, hi, self.spec.ema_decay)
+                return kernel.observe(x.contiguous(), self.lower, self.span, self.seen,
+                                      group_dim, self.spec.group_size, self.spec.ema_decay)
+            lo, hi = group_min_max(x.detach(), group_dim, self.spec.group_size)
+            return ema_update(self.lower, self.span, self.seen, lo, hi, self.spec.ema_decay)
 
     def pack(self, x: torch.Tensor) -> Packed:
-        """Observe ``x`` (training step) and quantize it with the updated estimates."""
-        self.observe(x)
+        """Observe ``x`` (training step) and quantize it over the resulting range."""
+        cover = self.observe(x)
         with torch.no_grad():
-            return pack(x.detach(), self.spec, self.lower, self.span)
+            return pack(x.detach(), self.spec, cover[0], cover[1])

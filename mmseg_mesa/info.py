@@ -1,0 +1,55 @@
+"""``python -m mmseg_mesa.info``: which Mesa backend runs here, and why."""
+from __future__ import annotations
+
+import torch
+
+from . import __version__, _backend
+
+
+def collect() -> dict[str, str]:
+    """The report as ordered ``label -> value`` lines."""
+    report = {'mmseg_mesa': __version__, 'torch': torch.__version__,
+              'torch CUDA': torch.version.cuda or 'none (CPU-only build)'}
+    gpu = torch.cuda.is_available()
+    if gpu:
+        index = torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        report['GPU'] = f'cuda:{index} {torch.cuda.get_device_name(index)} (sm_{major}{minor})'
+    else:
+        report['GPU'] = 'none visible'
+
+    info = _backend.build_info()
+    kernels, error = _backend.load_extension()
+    if kernels is not None:
+        report['extension _C'] = 'built and loadable'
+        report['built for torch'] = info.TORCH_VERSION
+        report['built for archs'] = (f'TORCH_CUDA_ARCH_LIST={info.CUDA_ARCH_LIST} '
+                                     f'(nvcc: {kernels.CUDA_ARCHS}), CUDA '
+                                     f'{kernels.CUDA_VERSION // 1000}.'
+                                     f'{kernels.CUDA_VERSION % 1000 // 10}')
+    else:
+        report['extension _C'] = f'unavailable: {error}'
+        if info is not None and info.EXTENSION:
+            report['built for torch'] = info.TORCH_VERSION
+            report['built for archs'] = f'TORCH_CUDA_ARCH_LIST={info.CUDA_ARCH_LIST}'
+
+    if kernels is None:
+        auto = f'torch (pure-PyTorch reference; {error})'
+    elif not gpu:
+        auto = 'cuda kernels (once a GPU is visible)'
+    else:
+        device_error = _backend.device_error(torch.device('cuda', index))
+        auto = 'cuda kernels' if device_error is None else f'torch ({device_error})'
+    report["backend='auto' for CUDA tensors"] = auto
+    return report
+
+
+def main() -> None:
+    report = collect()
+    width = max(map(len, report))
+    for label, value in report.items():
+        print(f'{label:<{width}} : {value}')
+
+
+if __name__ == '__main__':
+    main()

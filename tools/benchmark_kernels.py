@@ -1,0 +1,229 @@
+"""Benchmark mmseg_mesa's CUDA kernels on one GPU (about a minute on an H100/H200).
+
+1. Throughput of observe / quantize / dequantize in GB/s (bytes read + written), next to a plain
+   device-to-device copy of the same activation measured in the same run, and the speed-up over
+   the pure-PyTorch reference.
+2. Training step time (forward + backward) and peak memory of a Swin-like window-attention block
+   converted with ``convert_to_mesa`` against the plain block, in fp32 and bf16 autocast.
+
+Prints markdown tables; ``--json PATH`` also writes the rows. Exits non-zero without a GPU or
+without the compiled extension, rather than report numbers it did not measure.
+
+    python tools/benchmark_kernels.py [--json results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mmseg_mesa import MatMul, MesaConfig, _backend, convert_to_mesa
+from mmseg_mesa.quantizer import (
+    Packed,
+    QuantSpec,
+    dequantize_reference,
+    ema_update,
+    group_min_max,
+    quantize_reference,
+    scale_from_span,
+)
+
+# name, shape, group_dim, group_size: Swin-T at 224x224, batch 64, stage 1.
+KERNEL_CASES = [
+    ('hidden (64*3136, 96), groups of 32', (64, 3136, 96), 2, 32),
+    ('attention (64*64, 3, 49, 49), per head', (4096, 3, 49, 49), 1, 1),
+]
+# name, windows, dim, heads: stage 1 and stage 3 of Swin-T, batch 32, 7x7 windows.
+BLOCK_CASES = [
+    ('Swin-T stage 1 block', 32 * 64, 96, 3),
+    ('Swin-T stage 3 block', 32 * 4, 384, 12),
+]
+
+
+def time_ms(fn: Callable[[], object], iters: int = 10, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls, in ms."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
+def bench_activation(kernels, name: str, shape: tuple[int, ...], dim: int, group_size: int,
+                     dtype: torch.dtype) -> list[dict]:
+    x = torch.randn(shape, device='cuda').to(dtype)
+    groups = -(-shape[dim] // group_size)
+    lower = torch.zeros(groups, device='cuda')
+    span = torch.zeros(groups, device='cuda')
+    seen = torch.zeros(groups, dtype=torch.bool, device='cuda')
+    kernels.observe(x, lower, span, seen, dim, group_size, 0.9)
+    scale = scale_from_span(span, 8)
+    codes = kernels.quantize(x, lower, scale, 8, dim, group_size, False)
+    packed = Packed(codes, lower, scale, x.shape, dtype, 8, dim, group_size)
+    nearest = QuantSpec(8, dim, group_size, stochastic=False)
+    stochastic = QuantSpec(8, dim, group_size, stochastic=True)
+    state = (lower.clone(), span.clone(), seen.clone())  # observe updates it in place
+    copy_dst = torch.empty_like(x)
+    copy_gbs = 2 * x.nbytes / time_ms(lambda: copy_dst.copy_(x)) / 1e6
+    n, item = x.numel(), x.element_size()
+
+    def reference_observe():
+        ema_update(*state, *group_min_max(x, dim, group_size), 0.9)
+
+    ops = {  # op -> (kernel call, reference call, bytes read + written)
+        'observe': (lambda: kernels.observe(x, *state, dim, group_size, 0.9),
+                    reference_observe, n * item),
+        'quantize (nearest)': (
+            lambda: kernels.quantize(x, lower, scale, 8, dim, group_size, False),
+            lambda: quantize_reference(x, lower, scale, nearest, dim), n * (item + 1)),
+        'quantize (stochastic)': (
+            lambda: kernels.quantize(x, lower, scale, 8, dim, group_size, True),
+            lambda: quantize_reference(x, lower, scale, stochastic, dim), n * (item + 1)),
+        'dequantize': (
+            lambda: kernels.dequantize(codes, lower, scale, dim, group_size, dtype),
+            lambda: dequantize_reference(codes, packed), n * (1 + item)),
+    }
+    rows = []
+    for op, (kernel_fn, reference_fn, nbytes) in ops.items():
+        kernel_ms = time_ms(kernel_fn)
+        reference_ms = time_ms(reference_fn, iters=3, repeats=3)
+        gbs = nbytes / kernel_ms / 1e6
+        rows.append(dict(case=name, dtype=str(dtype).replace('torch.', ''), op=op, ms=kernel_ms,
+                         gb_per_s=gbs, copy_gb_per_s=copy_gbs, of_copy=gbs / copy_gbs,
+                         speedup_vs_torch=reference_ms / kernel_ms))
+    return rows
+
+
+def bench_kernels(kernels) -> list[dict]:
+    return [row for name, shape, dim, group_size in KERNEL_CASES
+            for dtype in (torch.float32, torch.bfloat16)
+            for row in bench_activation(kernels, name, shape, dim, group_size, dtype)]
+
+
+class WindowBlock(nn.Module):
+    """A Swin block on pre-partitioned windows ``(windows, tokens, dim)``; its two attention
+    matmuls are ``mmseg_mesa.MatMul`` modules, which conversion turns into ``MesaMatMul``."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qk = MatMul()
+        self.softmax = nn.Softmax(dim=-1)
+        self.av = MatMul()
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, mlp_ratio * dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(mlp_ratio * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        windows, tokens, dim = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(windows, tokens, 3, self.heads, dim // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        attn = self.softmax(self.qk(q * self.scale, k.transpose(-2, -1)))
+        out = self.av(attn, v).transpose(1, 2).reshape(windows, tokens, dim)
+        x = x + self.proj(out)
+        return x + self.fc2(self.act(self.fc1(self.norm2(x))))
+
+
+def training_step(block: nn.Module, x: torch.Tensor, grad: torch.Tensor,
+                  bf16: bool) -> Callable[[], None]:
+    def step() -> None:
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast('cuda', torch.bfloat16, enabled=bf16):
+            out = block(x)
+        out.backward(grad.to(out.dtype))
+
+    return step
+
+
+def bench_blocks() -> list[dict]:
+    rows = []
+    for name, windows, dim, heads in BLOCK_CASES:
+        plain = WindowBlock(dim, heads).cuda().train()
+        variants = {'plain': plain}
+        for backend in ('cuda', 'torch'):
+            variants[f'mesa ({backend})'] = copy.deepcopy(plain)
+            convert_to_mesa(variants[f'mesa ({backend})'], config=MesaConfig(backend=backend))
+        x = torch.randn(windows, 49, dim, device='cuda', requires_grad=True)
+        grad = torch.randn(windows, 49, dim, device='cuda')
+        for precision in ('fp32', 'bf16 autocast'):
+            baseline_ms = None
+            for variant, block in variants.items():
+                step = training_step(block, x, grad, bf16=precision != 'fp32')
+                step()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peak_mib = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                ms = time_ms(step, iters=5, repeats=5)
+                baseline_ms = baseline_ms or ms
+                rows.append(dict(case=name, precision=precision, variant=variant, ms=ms,
+                                 ratio_to_plain=ms / baseline_ms, peak_mib=peak_mib))
+    return rows
+
+
+def markdown(rows: list[dict], columns: dict[str, str]) -> str:
+    lines = ['| ' + ' | '.join(columns.values()) + ' |',
+             '|' + '|'.join('---' for _ in columns) + '|']
+    for row in rows:
+        cells = [f'{row[key]:.3g}' if isinstance(row[key], float) else str(row[key])
+                 for key in columns]
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--json', metavar='PATH', help='also write the results as JSON')
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print('benchmark_kernels: no CUDA GPU is visible (torch.cuda.is_available() is False); '
+              'nothing was measured.', file=sys.stderr)
+        return 2
+    kernels, error = _backend.load_extension()
+    if kernels is None or _backend.device_error(torch.device('cuda')) is not None:
+        print(f'benchmark_kernels: the CUDA extension is unusable here '
+              f'({error or _backend.device_error(torch.device("cuda"))}); see '
+              '`python -m mmseg_mesa.info`.', file=sys.stderr)
+        return 3
+    torch.manual_seed(0)
+    device = torch.cuda.get_device_name()
+    print(f'# mmseg_mesa kernels on {device}, torch {torch.__version__}\n')
+    kernel_rows = bench_kernels(kernels)
+    print(markdown(kernel_rows, dict(case='activation', dtype='dtype', op='op', ms='ms',
+                                     gb_per_s='GB/s', of_copy='of copy',
+                                     speedup_vs_torch='x torch ref')))
+    print(f'\ncopy = device-to-device copy of the same activation in the same run '
+          f'({kernel_rows[0]["copy_gb_per_s"]:.0f} GB/s for the first case).\n')
+    block_rows = bench_blocks()
+    print(markdown(block_rows, dict(case='block', precision='precision', variant='variant',
+                                    ms='step ms', ratio_to_plain='x plain',
+                                    peak_mib='peak MiB')))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(dict(device=device, torch=torch.__version__, kernels=kernel_rows,
+                           blocks=block_rows), f, indent=2)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
