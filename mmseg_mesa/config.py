@@ -33,8 +33,11 @@ class MesaConfig:
         bits: Bit width of saved activations (masks of ReLU/Dropout are always 1 bit).
             Defaults to 8, as in the paper.
         group_size: Channels that share one scale/offset for hidden features. Attention maps and
-            the operands of attention matmuls always use one group per head. Defaults to 32
-            (Swin's head width, so groups are head-wise in Swin blocks).
+            the operands of attention matmuls always use one group per head. Defaults to 1: one
+            group per channel, finer than the paper's head-wise groups at a cost of 8 bytes per
+            channel per layer. Transformer features have outlier channels; with groups of 32 the
+            layer-0 LayerNorm weight gradient of DeiT-S UPerNet measured cosine 0.986 against
+            the exact one, per channel 0.994.
         ema_decay: Decay of the running estimates of each group's min and range; the first
             training step takes the batch statistics as they are. Defaults to 0.9 (the paper's).
         stochastic_rounding: Round stochastically (unbiased) instead of to nearest.
@@ -48,7 +51,7 @@ class MesaConfig:
 
     enabled: bool = True
     bits: int = 8
-    group_size: int = 32
+    group_size: int = 1
     ema_decay: float = 0.9
     stochastic_rounding: bool = True
     backend: str = 'auto'

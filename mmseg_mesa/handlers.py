@@ -6,8 +6,8 @@ mmcv / mmseg specific handlers (Swin attention, DropPath) are added from
 from __future__ import annotations
 
 from torch import nn
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .config import MesaConfig
 from .convert import Converter, register_handler

@@ -37,7 +37,7 @@ class Case:
     input_scale: float = 1.0
 
     def inputs(self, dtype=torch.float32, big=False):
-        shapes = (self.memory_shapes or [(2 * s[0],) + s[1:] for s in self.shapes]) if big \
+        shapes = (self.memory_shapes or [(16 * s[0],) + s[1:] for s in self.shapes]) if big \
             else self.shapes
         return [(torch.randn(s) * self.input_scale).to(dtype).requires_grad_() for s in shapes]
 
@@ -48,7 +48,8 @@ def _swap(cls):
 
 CASES = [
     Case('linear', lambda: nn.Linear(37, 45), [(3, 7, 37)], _swap(MesaLinear)),
-    Case('linear_nobias', lambda: nn.Linear(64, 16, bias=False), [(5, 64)], _swap(MesaLinear)),
+    Case('linear_nobias', lambda: nn.Linear(64, 16, bias=False), [(5, 64)], _swap(MesaLinear),
+         memory_shapes=[(8, 49, 64)]),
     Case('conv2d', lambda: nn.Conv2d(5, 7, 3, stride=2, padding=1), [(2, 5, 9, 11)],
          _swap(MesaConv2d)),
     Case('conv2d_grouped_dilated', lambda: nn.Conv2d(6, 4, 3, padding=2, dilation=2, groups=2),

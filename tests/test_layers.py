@@ -1,11 +1,11 @@
 """Every Mesa layer against the torch layer it replaces.
 
-SQNR floors: 8-bit codes over a group's full range give ~40 dB on the saved activation for
-Gaussian data (step = range/255, error <= one step with stochastic rounding); gradients are sums of
-such products, so we require >= 33 dB on the first step (measured 38.8-54 dB here, fp32 and bf16)
-and >= 30 dB once running estimates have settled on realistic sizes (27 dB for peaked
-attention maps, see SETTLE_CASES). bf16 gradients are compared
-with torch's own bf16 gradients, which carry bf16 rounding (~48 dB); the same floors hold.
+SQNR floors: 8-bit codes over a channel's full range give ~40 dB on the saved activation for
+Gaussian data (step = range/255, error <= one step with stochastic rounding). Measured here on the
+first step: 39.9-59 dB (fp32 and bf16; bf16 gradients are compared with torch's own bf16
+gradients); over 5 steps with running estimates: >= 37.7 dB. The floor is 35 dB for both; peaked
+attention maps (logits with std 3) lose their smallest probabilities to the 8-bit step and measure
+29.3-29.8 dB, so their floor is 27 dB (see SETTLE_CASES).
 """
 import copy
 
@@ -18,8 +18,8 @@ from torch import nn
 from mmseg_mesa import MesaConfig, MesaLinear, MesaReLU
 from mmseg_mesa.memory import count_saved_tensors
 
-FIRST_STEP_SQNR_DB = 33.0
-SETTLED_SQNR_DB = 30.0
+FIRST_STEP_SQNR_DB = 35.0
+SETTLED_SQNR_DB = 35.0
 IDS = [c.name for c in CASES]
 
 
@@ -79,8 +79,7 @@ def test_gradients_match(case, dtype):
             assert sqnr_db(expected, got) >= FIRST_STEP_SQNR_DB
 
 
-# (name, module, inputs, floor). Peaked attention maps (logits with std 3) lose their smallest
-# probabilities to the 8-bit step: measured 29.2-29.9 dB, so their floor is 27 dB.
+# (name, module, inputs, floor): six steps through the same module, so running estimates move.
 SETTLE_CASES = [
     ('linear', lambda: nn.Linear(96, 384), lambda: [torch.randn(4, 49, 96)], SETTLED_SQNR_DB),
     ('layernorm', lambda: nn.LayerNorm(96), lambda: [torch.randn(4, 49, 96) * 2 + 1],
