@@ -1,0 +1,2 @@
+# vit_deit-b16_upernet_8xb2-80k_ade20k-512x512 (mmseg's config) trained with Mesa.
+_base_ = ['mmseg::vit/vit_deit-b16_upernet_8xb2-80k_ade20k-512x512.py', '../_base_/mesa.py']

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Multi-GPU (or multi-process CPU/gloo) training with torchrun:
+#   tools/dist_train.sh CONFIG NUM_GPUS [train.py args...]
+set -euo pipefail
+CONFIG=$1
+GPUS=$2
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+PORT=${PORT:-29500}
+MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-python}
+PYTHONPATH="$ROOT:${PYTHONPATH:-}" \
+"$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+  --master_addr="$MASTER_ADDR" --nproc_per_node="$GPUS" --master_port="$PORT" \
+  "$ROOT/tools/train.py" "$CONFIG" --launcher pytorch "${@:3}"

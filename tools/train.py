@@ -1,0 +1,71 @@
+"""Train a segmentor with mmseg, with Mesa when the config sets ``mesa`` (same CLI as mmseg's).
+
+    python tools/train.py configs/swin/mesa_swin-tiny_upernet_8xb2-160k_ade20k-512x512.py
+    python tools/train.py ANY_MMSEG_CONFIG.py --cfg-options mesa=True
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import os.path as osp
+
+from mmengine.config import Config, DictAction
+from mmengine.logging import print_log
+from mmengine.runner import Runner
+from mmseg.registry import RUNNERS
+
+from mmseg_mesa.integrations import enable_mesa_in_config
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description='Train a segmentor (with Mesa if configured)')
+    parser.add_argument('config', help='train config file path')
+    parser.add_argument('--work-dir', help='the dir to save logs and models')
+    parser.add_argument('--resume', action='store_true', default=False,
+                        help='resume from the latest checkpoint in the work_dir automatically')
+    parser.add_argument('--amp', action='store_true', default=False,
+                        help='enable automatic-mixed-precision training')
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
+                        help='override config settings, e.g. mesa=True or mesa.bits=4')
+    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
+                        default='none', help='job launcher')
+    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
+    args = parser.parse_args()
+    if 'LOCAL_RANK' not in os.environ:
+        os.environ['LOCAL_RANK'] = str(args.local_rank)
+    return args
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    cfg = Config.fromfile(args.config)
+    cfg.launcher = args.launcher
+    if args.cfg_options is not None:
+        cfg.merge_from_dict(args.cfg_options)
+    if args.work_dir is not None:
+        cfg.work_dir = args.work_dir
+    elif cfg.get('work_dir', None) is None:
+        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    if args.amp:
+        if cfg.optim_wrapper.type == 'AmpOptimWrapper':
+            print_log('AMP training is already enabled in your config.', logger='current',
+                      level=logging.WARNING)
+        elif cfg.optim_wrapper.type != 'OptimWrapper':
+            raise ValueError('--amp is only supported when the optimizer wrapper type is '
+                             f'OptimWrapper, got {cfg.optim_wrapper.type}')
+        else:
+            cfg.optim_wrapper.type = 'AmpOptimWrapper'
+            cfg.optim_wrapper.loss_scale = 'dynamic'
+    cfg.resume = args.resume
+    enable_mesa_in_config(cfg)  # validates `mesa` before anything is built
+    return cfg
+
+
+def main() -> None:
+    cfg = build_config(parse_args())
+    runner = Runner.from_cfg(cfg) if 'runner_type' not in cfg else RUNNERS.build(cfg)
+    runner.train()
+
+
+if __name__ == '__main__':
+    main()
