@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 # HistoryBuffer._set_default_statistics registers these on every buffer.
 _DEFAULT_STATISTICS = frozenset({'min', 'max', 'mean', 'current'})
 
