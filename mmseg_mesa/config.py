@@ -15,7 +15,7 @@ SUPPORTED_BITS = (2, 4, 8)
 BACKENDS = ('auto', 'cuda', 'torch')
 LAYER_TYPES = (
     'linear', 'conv2d', 'gelu', 'softmax', 'layernorm', 'matmul', 'batchnorm', 'relu', 'dropout',
-    'droppath', 'attention',
+    'droppath', 'attention', 'loss',
 )
 
 
@@ -45,7 +45,9 @@ class MesaConfig:
         backend: ``'auto'`` uses the compiled CUDA kernels for CUDA tensors when they are built,
             ``'cuda'`` requires them, ``'torch'`` always uses the pure-PyTorch reference.
             Defaults to ``'auto'``.
-        layers: Layer types to compress, a subset of ``LAYER_TYPES``. Defaults to all of them.
+        layers: Layer types to compress, a subset of ``LAYER_TYPES``; ``'loss'`` makes decode
+            heads keep only their low-resolution logits for the loss (exact recomputation, no
+            quantization). Defaults to all of them.
         skip: ``fnmatch`` patterns of qualified module names left unconverted. Defaults to ().
     """
 

@@ -4,6 +4,8 @@
   routes them through ``MesaMatMul`` (one quantization group per head). Its Linear, Softmax and
   Dropout children are converted by their own handlers.
 - mmcv's ``DropPath`` becomes ``MesaDropPath`` (one saved bit per sample).
+- Decode heads using ``BaseDecodeHead.loss_by_feat`` (UPerHead, FCNHead, ...) become
+  ``MesaDecodeHead``: the upsampling + losses run through ``RecomputedLoss``, exactly.
 """
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ from typing import Any
 import torch
 from mmcv.cnn.bricks.drop import DropPath
 from mmseg.models.backbones.swin import WindowMSA
+from mmseg.models.decode_heads.decode_head import BaseDecodeHead
 
 from ..config import MesaConfig
 from ..layers.base import MesaModule
 from ..layers.dropout import MesaDropPathFunction
 from ..layers.matmul import MesaMatMul
+from ..layers.recompute import recomputed_losses
 
 
 class MesaWindowMSA(MesaModule, WindowMSA):
@@ -60,3 +64,20 @@ class MesaDropPath(MesaModule, DropPath):
         if not self.mesa_active(x) or not 0.0 < self.drop_prob < 1.0:
             return super().forward(x)
         return MesaDropPathFunction.apply(x, self.drop_prob)
+
+
+class MesaDecodeHead(MesaModule, BaseDecodeHead):
+    """A decode head whose loss keeps only the low-resolution logits for backward."""
+
+    def loss_by_feat(self, seg_logits: torch.Tensor, batch_data_samples: list) -> dict:
+        if not self.mesa_active(seg_logits):
+            return super().loss_by_feat(seg_logits, batch_data_samples)
+        return recomputed_losses(
+            lambda logits: super(MesaDecodeHead, self).loss_by_feat(logits, batch_data_samples),
+            seg_logits)
+
+
+def decode_head_check(head: BaseDecodeHead) -> str | None:
+    if type(head).loss_by_feat is not BaseDecodeHead.loss_by_feat:
+        return f'{type(head).__name__} has its own loss_by_feat'
+    return None
