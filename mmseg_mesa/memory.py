@@ -36,7 +36,7 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
     Args:
         model: If given, its Parameters and buffers are excluded and bytes are attributed to the
             type of the innermost module running when they were saved (``'<functional>'`` when
-            none). Defaults to None.
+            none; a converted Mesa module counts as the type it replaced). Defaults to None.
     """
     report = SavedTensorReport()
     seen: set[tuple[str, int]] = set()
@@ -50,7 +50,8 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
         for module in model.modules():
             if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
                 continue
-            name = type(module).__name__
+            # converted modules count under the type they replaced, so modes compare by type
+            name = getattr(module, 'mesa_original_type', type(module).__name__)
             handles.append(module.register_forward_pre_hook(
                 lambda _m, _i, name=name: stack.append(name)))
             handles.append(module.register_forward_hook(lambda *_: stack.pop() and None))

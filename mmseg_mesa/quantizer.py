@@ -262,4 +262,5 @@ class ActivationQuantizer(nn.Module):
         """Observe ``x`` (training step) and quantize it over the resulting range."""
         cover = self.observe(x)
         with torch.no_grad():
-            return pack(x.detach(), self.spec, cover[0], cover[1])
+            # lower gets its own storage: the saved Packed should not pin the span row too
+            return pack(x.detach(), self.spec, cover[0].clone(), cover[1])

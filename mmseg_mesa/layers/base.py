@@ -36,6 +36,7 @@ class MesaModule:
     """
 
     mesa_config: MesaConfig
+    mesa_original_type: str  # the torch/mmcv class it was converted from (reports, memory)
 
     def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
         """Attach the quantizers; called once after the class swap (or from ``__init__``)."""
@@ -64,6 +65,7 @@ class MesaModule:
                                       '__qualname__': f'{cls.__qualname__}[{original.__name__}]'})
             target = _SWAPPED[key]
         module.__class__ = target
+        module.mesa_original_type = original.__name__
         module.mesa_setup(config, **options)
         return module
 
