@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MMCV_VERSION := 2.1.0
 
-.PHONY: env test lint demo benchmark info clean-ext
+.PHONY: env test lint demo benchmark benchmark-kernels info clean-ext
 
 $(PY):
 	$(PY_BOOT) -m venv $(VENV)
@@ -17,8 +17,8 @@ $(VENV)/.stamp-build: requirements/build.txt | $(PY)
 	$(PIP) install -r requirements/build.txt
 	touch $@
 
-$(VENV)/.stamp-torch: requirements/stack.txt $(VENV)/.stamp-build
-	$(PIP) install torch==2.14.1 mmengine==0.10.7 numpy opencv-python-headless
+$(VENV)/.stamp-torch: requirements/core.txt $(VENV)/.stamp-build
+	$(PIP) install -r requirements/core.txt
 	touch $@
 
 $(VENV)/.stamp-mmcv: $(VENV)/.stamp-torch
@@ -30,8 +30,10 @@ $(VENV)/.stamp-stack: requirements/stack.txt requirements/dev.txt $(VENV)/.stamp
 	$(PIP) install -r requirements/stack.txt -r requirements/dev.txt
 	touch $@
 
+# Builds mmseg_mesa._C when a CUDA toolkit is found (see setup.py); pure Python otherwise.
 $(VENV)/.stamp-pkg: setup.py $(VENV)/.stamp-stack $(wildcard csrc/*)
 	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PY) -m mmseg_mesa.info
 	touch $@
 
 env: $(VENV)/.stamp-pkg
@@ -40,7 +42,21 @@ lint: env
 	$(VENV)/bin/ruff check mmseg_mesa tools tests configs setup.py
 
 test: env lint
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+# The main job: train the demo model with and without Mesa and compare memory and accuracy.
+demo: env
+	$(PY) tools/demo.py
+
+benchmark: env
+	$(PY) tools/benchmark_memory.py --json work_dirs/benchmarks/memory.json \
+	  --plot work_dirs/benchmarks/memory.png
+
+benchmark-kernels: env
+	$(PY) tools/benchmark_kernels.py --json work_dirs/benchmarks/kernels.json
 
 info: env
 	$(PY) -m mmseg_mesa.info
+
+clean-ext:
+	rm -f mmseg_mesa/_C*.so mmseg_mesa/_build_info.py $(VENV)/.stamp-pkg
