@@ -14,6 +14,7 @@ from .layers import (
                      MesaModule,
                      MesaReLU,
                      MesaSoftmax,
+                     MesaSyncBatchNorm,
 )
 from .quantizer import ActivationQuantizer, Packed, QuantSpec, pack, unpack
 
@@ -22,6 +23,6 @@ __version__ = '0.1.0'
 __all__ = [
     'MesaConfig', 'ConversionReport', 'convert_to_mesa', 'register_handler', 'MesaModule',
     'MesaLinear', 'MesaConv2d', 'MesaGELU', 'MesaReLU', 'MesaSoftmax', 'MesaLayerNorm',
-    'MesaBatchNorm', 'MesaBatchNorm2d', 'MatMul', 'MesaMatMul', 'MesaDropout',
+    'MesaBatchNorm', 'MesaBatchNorm2d', 'MesaSyncBatchNorm', 'MatMul', 'MesaMatMul', 'MesaDropout',
     'ActivationQuantizer', 'Packed', 'QuantSpec', 'pack', 'unpack', '__version__',
 ]

@@ -20,6 +20,7 @@ from .layers.linear import MesaLinear
 from .layers.matmul import MatMul, MesaMatMul
 from .layers.norm import MesaBatchNorm, MesaLayerNorm
 from .layers.softmax import MesaSoftmax
+from .layers.sync_batchnorm import MesaSyncBatchNorm
 
 
 def swap_to(mesa_cls: type[MesaModule]) -> Converter:
@@ -45,19 +46,14 @@ def _dropout_check(module: nn.Module) -> str | None:
     return None
 
 
-def _batchnorm_check(module: nn.Module) -> str | None:
-    if isinstance(module, nn.SyncBatchNorm):
-        return 'SyncBatchNorm needs the distributed handler (MesaSyncBatchNorm)'
-    return None
-
-
 register_handler(nn.Linear, 'linear', swap_to(MesaLinear))
 register_handler(nn.Conv2d, 'conv2d', swap_to(MesaConv2d), _conv_check)
 register_handler(nn.GELU, 'gelu', swap_to(MesaGELU))
 register_handler(nn.ReLU, 'relu', swap_to(MesaReLU))
 register_handler(nn.Softmax, 'softmax', swap_to(MesaSoftmax))
 register_handler(nn.LayerNorm, 'layernorm', swap_to(MesaLayerNorm))
-register_handler(_BatchNorm, 'batchnorm', swap_to(MesaBatchNorm), _batchnorm_check)
+register_handler(_BatchNorm, 'batchnorm', swap_to(MesaBatchNorm))
+register_handler(nn.SyncBatchNorm, 'batchnorm', swap_to(MesaSyncBatchNorm))
 register_handler(nn.Dropout, 'dropout', swap_to(MesaDropout), _dropout_check)
 register_handler(MatMul, 'matmul', swap_to(MesaMatMul))
 

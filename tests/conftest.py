@@ -21,4 +21,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(autouse=True)
 def _seed():
+    """Every test starts from the same seed and the same stochastic-rounding stream, so its
+    result does not depend on which tests ran before it."""
+    from mmseg_mesa.quantizer import reset_rounding_generators
     torch.manual_seed(0)
+    reset_rounding_generators()

@@ -10,7 +10,7 @@ PORT=${PORT:-29500}
 MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
-PYTHONPATH="$ROOT:${PYTHONPATH:-}" \
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
 "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="$NODE_RANK" \
   --master_addr="$MASTER_ADDR" --nproc_per_node="$GPUS" --master_port="$PORT" \
   "$ROOT/tools/train.py" "$CONFIG" --launcher pytorch "${@:3}"

@@ -10,7 +10,7 @@ CPUS_PER_TASK=${CPUS_PER_TASK:-5}
 SRUN_ARGS=${SRUN_ARGS:-""}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python}
-PYTHONPATH="$ROOT:${PYTHONPATH:-}" \
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
 srun -p "$PARTITION" --job-name="$JOB_NAME" --gres=gpu:"$GPUS_PER_NODE" --ntasks="$GPUS" \
   --ntasks-per-node="$GPUS_PER_NODE" --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 \
   $SRUN_ARGS "$PYTHON" -u "$ROOT/tools/train.py" "$CONFIG" --launcher slurm "${@:4}"

@@ -7,8 +7,10 @@ from .linear import MesaLinear
 from .matmul import MatMul, MesaMatMul
 from .norm import MesaBatchNorm, MesaBatchNorm2d, MesaLayerNorm
 from .softmax import MesaSoftmax
+from .sync_batchnorm import MesaSyncBatchNorm
 
 __all__ = [
     'MesaModule', 'MesaLinear', 'MesaConv2d', 'MesaGELU', 'MesaReLU', 'MesaSoftmax',
-    'MesaLayerNorm', 'MesaBatchNorm', 'MesaBatchNorm2d', 'MatMul', 'MesaMatMul', 'MesaDropout',
+    'MesaLayerNorm', 'MesaBatchNorm', 'MesaBatchNorm2d', 'MesaSyncBatchNorm', 'MatMul',
+    'MesaMatMul', 'MesaDropout',
 ]

@@ -146,8 +146,17 @@ def standardize(x_norm: torch.Tensor, dims: list[int], invstd: torch.Tensor,
     a channel's variance is small next to eps, as in PPM's pooled 1x1 branch).
     """
     var, mean = torch.var_mean(x_norm, dim=dims, correction=0, keepdim=True)
+    return (x_norm - mean) * standardize_scale(var, invstd, eps)
+
+
+def standardize_scale(var: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """The factor that gives centred values of variance ``var`` the variance of ``x_norm``.
+
+    Separate from ``standardize`` so that SyncBatchNorm can apply it with moments all-reduced
+    over the process group.
+    """
     target = (1.0 - eps * invstd.square()).clamp_min(0.0)
-    return (x_norm - mean) * torch.sqrt(target / var.clamp_min(1e-30))
+    return torch.sqrt(target / var.clamp_min(1e-30))
 
 
 def batch_norm_momentum(bn: _BatchNorm) -> float:
