@@ -61,12 +61,16 @@ def load_config(path: str) -> Any:
 
 
 def build_model(cfg: Any, device: str) -> torch.nn.Module:
+    import logging
+
+    from mmengine.logging import MMLogger
     from mmengine.model import revert_sync_batchnorm
     from mmseg.registry import MODELS
     from mmseg.utils import register_all_modules
     register_all_modules()
     torch.manual_seed(0)
     model = revert_sync_batchnorm(MODELS.build(cfg.model))
+    MMLogger.get_current_instance().setLevel(logging.WARNING)  # init_weights lists every tensor
     model.init_weights()
     return model.to(device).train()
 
@@ -218,11 +222,24 @@ def plot(results: dict, path: str) -> None:
     left.set_ylabel('saved for backward (MB)')
     left.set_title('Activation memory per mode')
     left.tick_params(axis='x', rotation=30)
-    types = sorted({t for m in modes for t in results['modes'][m]['by_type']})
+    totals: dict[str, float] = {}
+    for m in modes:
+        for t, v in results['modes'][m]['by_type'].items():
+            totals[t] = max(totals.get(t, 0), v)
+    # the types that matter (>= 1% of the largest), largest first; the rest as "other"
+    types = [t for t in sorted(totals, key=totals.get, reverse=True)
+             if totals[t] >= 0.01 * max(totals.values())]
+    colours = plt.cm.tab20.colors
     bottom = [0.0] * len(modes)
-    for t in types:
-        values = [results['modes'][m]['by_type'].get(t, 0) / mb for m in modes]
-        right.bar(modes, values, bottom=bottom, label=t)
+    for i, t in enumerate(types + ['other']):
+        if t == 'other':
+            values = [sum(v for k, v in results['modes'][m]['by_type'].items()
+                          if k not in types) / mb for m in modes]
+        else:
+            values = [results['modes'][m]['by_type'].get(t, 0) / mb for m in modes]
+        # matplotlib hides labels that start with '_' (mmengine's _BatchNormXd)
+        right.bar(modes, values, bottom=bottom, label=t.lstrip('_'),
+                  color=colours[i % len(colours)])
         bottom = [b + v for b, v in zip(bottom, values)]
     right.set_title('By module type')
     right.tick_params(axis='x', rotation=30)

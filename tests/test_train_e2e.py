@@ -1,0 +1,122 @@
+"""End to end through our tools/train.py: train with Mesa, checkpoint, resume, then evaluate the
+checkpoint with plain mmseg (no Mesa) and load it on torch >= 2.6."""
+import os
+import os.path as osp
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+MESA_CONFIG = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
+PLAIN_CONFIG = osp.join(ROOT, 'configs/demo/swin-mini_upernet_demo.py')
+
+
+@pytest.fixture(scope='module')
+def data_root(tmp_path_factory):
+    from mmseg_mesa.demo.dataset import write_demo_dataset
+    root = str(tmp_path_factory.mktemp('demo_data'))
+    write_demo_dataset(root, num_train=8, num_val=4, seed=0)
+    return root
+
+
+def data_options(root):
+    return [f'{split}_dataloader.dataset.data_root={root}' for split in ('train', 'val', 'test')]
+
+
+def train(config, work_dir, root, iters, *extra, check=True):
+    cmd = [sys.executable, osp.join(ROOT, 'tools/train.py'), config, '--work-dir', work_dir,
+           *extra, '--cfg-options', *data_options(root), f'train_cfg.max_iters={iters}',
+           f'train_cfg.val_interval={iters}', 'default_hooks.checkpoint.interval=2',
+           'train_dataloader.batch_size=2', 'default_hooks.logger.interval=1']
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONUNBUFFERED='1'))
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, data_root):
+    work_dir = str(tmp_path_factory.mktemp('mesa_run'))
+    first = train(MESA_CONFIG, work_dir, data_root, 2)
+    resumed = train(MESA_CONFIG, work_dir, data_root, 4, '--resume')
+    return work_dir, first.stdout + first.stderr, resumed.stdout + resumed.stderr
+
+
+def test_training_converts_and_logs_report(trained):
+    _, log, _ = trained
+    assert 'Mesa converted' in log and 'WindowMSA' in log and 'left unconverted' in log.lower()
+
+
+def test_resume_continues_from_checkpoint(trained):
+    work_dir, _, log = trained
+    assert 'resumed' in log.lower() or 'Resume' in log
+    assert 'Iter(train) [3/4]' in log or 'Iter(train) [4/4]' in log
+    assert 'Iter(train) [1/4]' not in log  # it did not start over
+    assert osp.exists(osp.join(work_dir, 'iter_4.pth'))
+
+
+def test_checkpoint_loads_in_plain_mmseg(trained, data_root):
+    from mmengine.config import Config
+    from mmengine.runner import Runner
+
+    from mmseg_mesa.integrations import allow_mmengine_checkpoints
+    work_dir, _, _ = trained
+    checkpoint = osp.join(work_dir, 'iter_4.pth')
+    allow_mmengine_checkpoints()
+    cfg = Config.fromfile(PLAIN_CONFIG)
+    assert 'mesa' not in cfg
+    cfg.merge_from_dict({f'{s}_dataloader.dataset.data_root': data_root
+                         for s in ('train', 'val', 'test')})
+    cfg.work_dir = osp.join(work_dir, 'plain_test')
+    cfg.load_from = checkpoint
+    runner = Runner.from_cfg(cfg)
+    state = torch.load(checkpoint, map_location='cpu')['state_dict']
+    incompatible = runner.model.load_state_dict(state, strict=True)
+    assert not incompatible.missing_keys and not incompatible.unexpected_keys
+    metrics = runner.test()
+    assert 0.0 <= metrics['mIoU'] <= 100.0
+    assert not any('Mesa' in type(m).__name__ for m in runner.model.modules())
+
+
+def test_mmengine_checkpoint_needs_and_gets_our_allowlist(trained):
+    """On torch >= 2.6 plain torch.load refuses mmengine's checkpoint; ours loads it safely."""
+    work_dir, _, _ = trained
+    checkpoint = osp.join(work_dir, 'iter_4.pth')
+    load = f'import torch; torch.load({checkpoint!r}, map_location="cpu")'
+    plain = subprocess.run([sys.executable, '-c', load], capture_output=True, text=True)
+    assert plain.returncode != 0 and 'weights_only' in plain.stderr
+    ours = subprocess.run([sys.executable, '-c', 'import mmseg_mesa.integrations; ' + load],
+                          capture_output=True, text=True)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    # still weights_only: a pickle that runs code is refused.
+    evil = subprocess.run([sys.executable, '-c', (
+        'import os, pickle, io, torch, mmseg_mesa.integrations\n'
+        'class E:\n    def __reduce__(self): return (os.system, ("true",))\n'
+        'buf = io.BytesIO(); torch.save({"x": E()}, buf); buf.seek(0)\n'
+        'torch.load(buf)\n')], capture_output=True, text=True)
+    assert evil.returncode != 0 and 'weights_only' in evil.stderr
+    # HistoryBuffer's pickled statistics need getattr; any other getattr is refused.
+    sneaky = subprocess.run([sys.executable, '-c', (
+        'import io, torch, mmseg_mesa.integrations\n'
+        'from mmengine.logging.history_buffer import HistoryBuffer\n'
+        'class G:\n    def __reduce__(self): return (getattr, (HistoryBuffer, "__init__"))\n'
+        'buf = io.BytesIO(); torch.save({"x": G()}, buf); buf.seek(0)\n'
+        'torch.load(buf)\n')], capture_output=True, text=True)
+    assert sneaky.returncode != 0 and 'refusing getattr' in sneaky.stderr
+
+
+@pytest.mark.parametrize('option, message', [
+    ('mesa.bits=3', 'invalid bits=3'),
+    ('mesa.bitz=8', "unknown key(s) ['bitz']"),
+    ('mesa.layers=[matmul]', 'nothing to convert'),
+])
+def test_bad_mesa_config_fails_before_training(tmp_path, data_root, option, message):
+    cmd_fail = [sys.executable, osp.join(ROOT, 'tools/train.py'), MESA_CONFIG, '--work-dir',
+                str(tmp_path / 'bad'), '--cfg-options', *data_options(data_root), option]
+    bad = subprocess.run(cmd_fail, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert message in bad.stderr + bad.stdout
+    assert 'Iter(train)' not in bad.stdout + bad.stderr

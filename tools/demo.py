@@ -1,0 +1,356 @@
+"""The main job: train a small Swin-UPerNet with and without Mesa on CPU and compare them.
+
+    python tools/demo.py                # ~5 minutes on two idle CPU cores (runs in parallel)
+    python tools/demo.py --sequential   # one run after the other: ~7 minutes
+    python tools/demo.py --quick        # a smoke run of a few iterations (what the tests use)
+
+Steps: write the generated demo dataset (``mmseg_mesa.demo``); count the bytes one training step
+saves for backward, for both models on the same batch; train the baseline and the Mesa config
+through ``tools/train.py`` (one subprocess each, same seed, log lines streamed) and record each
+child's wall time, CPU time and peak RSS; read the final loss and the mIoU of its validation at
+the end from its ``vis_data/scalars.json``. Results go to ``WORK_DIR/summary.json``
+(``{"baseline": {"miou": <percent>, "saved_bytes": ..., "train_time_s": ..., ...},
+"mesa": {...}}``) and ``WORK_DIR/summary.png`` (loss curves and memory bars).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import os.path as osp
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
+CONFIGS = {
+    'baseline': osp.join(REPO, 'configs', 'demo', 'swin-mini_upernet_demo.py'),
+    'mesa': osp.join(REPO, 'configs', 'demo', 'mesa_swin-mini_upernet_demo.py'),
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Dataset size and training length of a demo run."""
+
+    num_train: int
+    num_val: int
+    size: int
+    max_iters: int | None  # None keeps the config's schedule
+    batch_size: int | None = None
+    log_interval: int | None = None
+
+
+FULL = Schedule(num_train=2000, num_val=200, size=64, max_iters=None)
+QUICK = Schedule(num_train=16, num_val=8, size=64, max_iters=6, batch_size=4, log_interval=2)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description='Train with and without Mesa and compare')
+    parser.add_argument('--quick', action='store_true',
+                        help='a few iterations on a few images (a smoke test)')
+    parser.add_argument('--work-dir', default=osp.join(REPO, 'work_dirs', 'demo'),
+                        help='where runs and the summary go (default: work_dirs/demo)')
+    parser.add_argument('--data-root', default=osp.join(REPO, 'data', 'mesa_demo'),
+                        help='where the generated dataset goes (default: data/mesa_demo)')
+    parser.add_argument('--seed', type=int, default=0, help='seed of data and training')
+    # A training step of these small models is thousands of small ops, each an OpenMP parallel
+    # region; when another process shares the cores, a descheduled thread stalls every region and
+    # steps took 10-30x longer (measured on 2 cores). One thread costs ~20% on an idle machine
+    # and keeps the timings predictable and comparable.
+    parser.add_argument('--threads', type=int, default=1,
+                        help='CPU threads of each training run and of the memory count '
+                             '(default: 1)')
+    parser.add_argument('--sequential', action='store_true',
+                        help='train one config after the other (by default both train at once '
+                             'when there are two or more cores: each gets a core, the demo '
+                             'takes ~40%% less time, and CPU times are unaffected)')
+    return parser.parse_args()
+
+
+def cfg_options(data_root: str, seed: int, schedule: Schedule) -> dict[str, Any]:
+    """Overrides for both configs: data location, seed and (for --quick) the schedule."""
+    options: dict[str, Any] = {'randomness.seed': seed}
+    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
+        options[f'{loader}.dataset.data_root'] = data_root
+    if schedule.batch_size is not None:
+        options['train_dataloader.batch_size'] = schedule.batch_size
+    if schedule.log_interval is not None:
+        options['default_hooks.logger.interval'] = schedule.log_interval
+    if schedule.max_iters is not None:
+        iters = schedule.max_iters
+        warmup = max(1, iters // 10)
+        options.update({
+            'train_cfg.max_iters': iters, 'train_cfg.val_interval': iters,
+            'default_hooks.checkpoint.interval': iters,
+            'param_scheduler.0.end': warmup, 'param_scheduler.1.begin': warmup,
+            'param_scheduler.1.end': iters})
+    return options
+
+
+def option_args(options: dict[str, Any]) -> list[str]:
+    return [f'{key}={value}' for key, value in options.items()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation memory: bytes saved for backward by one training step of each model.
+def measure_saved_bytes(options: dict[str, Any], seed: int) -> dict[str, dict[str, Any]]:
+    """Build both models from their configs with the same weights; count one step on one batch.
+
+    Returns ``{name: dict(saved_bytes, saved_by_type)}``.
+    """
+    import numpy as np
+    import torch
+    from mmengine.config import Config
+    from mmengine.dataset import pseudo_collate
+    from mmengine.model import revert_sync_batchnorm
+    from mmseg.registry import DATASETS, MODELS
+    from mmseg.utils import register_all_modules
+
+    from mmseg_mesa import MesaConfig, convert_to_mesa
+    from mmseg_mesa.memory import count_saved_tensors
+
+    register_all_modules()
+    cfgs = {}
+    for name, path in CONFIGS.items():
+        cfg = Config.fromfile(path)  # imports `custom_imports` (the demo dataset, Mesa's hook)
+        cfg.merge_from_dict(options)
+        cfgs[name] = cfg
+
+    np.random.seed(seed)  # the pipeline's random flips
+    dataset = DATASETS.build(cfgs['baseline'].train_dataloader.dataset)
+    batch_size = cfgs['baseline'].train_dataloader.batch_size
+    batch = pseudo_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])
+
+    weights = None
+    results = {}
+    for name, cfg in cfgs.items():
+        torch.manual_seed(seed)
+        # No init_weights(): what is saved depends on shapes only, and outside a runner it
+        # prints every parameter's initialisation to the console.
+        model = revert_sync_batchnorm(MODELS.build(cfg.model))
+        if weights is None:
+            weights = model.state_dict()
+        else:
+            model.load_state_dict(weights)  # same weights: only Mesa differs
+        model.train()
+        mesa = MesaConfig.from_cfg(cfg.get('mesa'))
+        if mesa is not None:
+            convert_to_mesa(model, config=mesa)
+        data = model.data_preprocessor(batch, training=True)
+        torch.manual_seed(seed)
+        with count_saved_tensors(model) as report:
+            losses = model(**data, mode='loss')
+        loss, _ = model.parse_losses(losses)
+        loss.backward()  # frees what was saved
+        results[name] = dict(saved_bytes=int(report.total_bytes),
+                             saved_by_type=dict(report.by_type.most_common()))
+        del model, losses, loss
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Training runs: one tools/train.py subprocess per config.
+class TrainingRun:
+    """One ``tools/train.py`` subprocess: its output streamed with a prefix, its usage recorded.
+
+    A thread streams the child's output and then reaps it with ``os.wait4``, which gives the
+    child's own peak RSS and CPU time (not those of this process or of the other run).
+    """
+
+    def __init__(self, name: str, config: str, work_dir: str, options: dict[str, Any],
+                 threads: int) -> None:
+        self.name, self.work_dir = name, work_dir
+        os.makedirs(work_dir, exist_ok=True)
+        self._before = set(os.listdir(work_dir))
+        cmd = [sys.executable, '-u', osp.join(REPO, 'tools', 'train.py'), config,
+               '--work-dir', work_dir, '--cfg-options', *option_args(options)]
+        env = dict(os.environ)
+        env['PYTHONPATH'] = os.pathsep.join(p for p in (REPO, env.get('PYTHONPATH')) if p)
+        env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(threads)
+        print(f'[{name}] $ {" ".join(cmd)}', flush=True)
+        self._start = time.perf_counter()
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      env=env, text=True, bufsize=1)
+        self._result: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._stream_and_reap, daemon=True)
+        self._thread.start()
+
+    def _stream_and_reap(self) -> None:
+        proc = self._proc
+        assert proc.stdout is not None
+        with proc.stdout:
+            for line in proc.stdout:
+                print(f'[{self.name}] {line}', end='', flush=True)
+        _, status, usage = os.wait4(proc.pid, 0)  # ru_maxrss is in KiB on Linux
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        self._result = dict(train_time_s=round(time.perf_counter() - self._start, 2),
+                            cpu_time_s=round(usage.ru_utime + usage.ru_stime, 2),
+                            peak_rss_bytes=int(usage.ru_maxrss) * 1024)
+
+    def wait(self) -> dict[str, Any]:
+        """Wait for the run; its wall and CPU time, peak RSS and run directory."""
+        self._thread.join()
+        if self._proc.returncode != 0:
+            raise SystemExit(f'demo: the {self.name} run failed (exit code '
+                             f'{self._proc.returncode}); see its log above and under '
+                             f'{self.work_dir}')
+        runs = sorted(set(os.listdir(self.work_dir)) - self._before)
+        runs = [r for r in runs
+                if osp.isfile(osp.join(self.work_dir, r, 'vis_data', 'scalars.json'))]
+        if not runs:
+            raise SystemExit(f'demo: the {self.name} run wrote no vis_data/scalars.json '
+                             f'under {self.work_dir}')
+        return dict(self._result, run_dir=osp.join(self.work_dir, runs[-1]))
+
+
+def train_all(work_dir: str, options: dict[str, Any], threads: int, parallel: bool
+              ) -> dict[str, dict[str, Any]]:
+    """Train every config, one after the other or (``parallel``) all at once."""
+    results, pending = {}, []
+    for name, config in CONFIGS.items():
+        pending.append(TrainingRun(name, config, osp.join(work_dir, name), options, threads))
+        if not parallel:
+            results[name] = pending.pop().wait()
+    for run in pending:
+        results[run.name] = run.wait()
+    return results
+
+
+def read_scalars(run_dir: str) -> dict[str, Any]:
+    """Loss curve, final loss and validation metrics from a run's ``scalars.json``."""
+    iters, losses, times, val = [], [], [], {}
+    with open(osp.join(run_dir, 'vis_data', 'scalars.json')) as f:
+        for line in f:
+            record = json.loads(line)
+            if 'mIoU' in record:
+                val = record
+            elif 'loss' in record:
+                iters.append(record['iter'])
+                losses.append(record['loss'])
+                times.append(record.get('time'))
+    if not val:
+        raise SystemExit(f'demo: no validation result (mIoU) in {run_dir}/vis_data/scalars.json')
+    times = [t for t in times if t is not None]
+    return dict(miou=float(val['mIoU']), aacc=float(val.get('aAcc', 'nan')),
+                macc=float(val.get('mAcc', 'nan')), final_loss=float(losses[-1]),
+                iter_time_s=round(sum(times) / len(times), 4) if times else None,
+                loss_curve=dict(iter=iters, loss=losses))
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+def format_table(summary: dict[str, dict[str, Any]]) -> str:
+    base, mesa = summary['baseline'], summary['mesa']
+    mib = 2.0 ** 20
+
+    def ratio(key: str) -> str:
+        return f'{mesa[key] / base[key]:.3f}' if base[key] else '-'
+
+    rows = [
+        ('saved for backward, 1 step (MiB)', f'{base["saved_bytes"] / mib:.2f}',
+         f'{mesa["saved_bytes"] / mib:.2f}', ratio('saved_bytes')),
+        ('peak RSS of training (MiB)', f'{base["peak_rss_bytes"] / mib:.0f}',
+         f'{mesa["peak_rss_bytes"] / mib:.0f}', ratio('peak_rss_bytes')),
+        ('wall time of training (s)', f'{base["train_time_s"]:.1f}',
+         f'{mesa["train_time_s"]:.1f}', ratio('train_time_s')),
+        ('CPU time of training (s)', f'{base["cpu_time_s"]:.1f}',
+         f'{mesa["cpu_time_s"]:.1f}', ratio('cpu_time_s')),
+        ('final training loss', f'{base["final_loss"]:.4f}', f'{mesa["final_loss"]:.4f}', ''),
+        ('val mIoU (%)', f'{base["miou"]:.2f}', f'{mesa["miou"]:.2f}', ''),
+        ('val aAcc (%)', f'{base["aacc"]:.2f}', f'{mesa["aacc"]:.2f}', ''),
+    ]
+    header = ('', 'baseline', 'mesa', 'mesa/baseline')
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    lines = ['  '.join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])])
+             for r in [header, *rows]]
+    lines.insert(1, '-' * len(lines[0]))
+    return '\n'.join(lines)
+
+
+def plot(summary: dict[str, dict[str, Any]], curves: dict[str, dict[str, list]], path: str
+         ) -> None:
+    """Loss curves, and bars of saved activations and of peak RSS (own axes: scales differ)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    colours = {name: f'C{k}' for k, name in enumerate(names)}
+    fig, (ax_loss, ax_saved, ax_rss) = plt.subplots(
+        1, 3, figsize=(13, 4), gridspec_kw=dict(width_ratios=[2, 1, 1]))
+    for name in names:
+        ax_loss.plot(curves[name]['iter'], curves[name]['loss'], color=colours[name],
+                     label=f'{name} (val mIoU {summary[name]["miou"]:.1f}%)')
+    ax_loss.set(xlabel='iteration', ylabel='training loss', title='Training loss')
+    ax_loss.legend()
+    ax_loss.grid(alpha=0.3)
+
+    mib = 2.0 ** 20
+    ratio = summary['mesa']['saved_bytes'] / max(1, summary['baseline']['saved_bytes'])
+    for ax, key, title in (
+            (ax_saved, 'saved_bytes', f'Saved for backward, 1 step\n(mesa/baseline = {ratio:.2f})'),
+            (ax_rss, 'peak_rss_bytes', 'Peak RSS of the training process')):
+        bars = ax.bar(names, [summary[n][key] / mib for n in names],
+                      color=[colours[n] for n in names])
+        ax.bar_label(bars, fmt='%.1f')
+        ax.set(ylabel='MiB', title=title)
+        ax.margins(y=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    if REPO not in sys.path:  # run as a script from a checkout that is not installed
+        sys.path.insert(0, REPO)
+    schedule = QUICK if args.quick else FULL
+    work_dir = osp.abspath(args.work_dir)
+    data_root = osp.abspath(args.data_root)
+    start = time.perf_counter()
+
+    from mmseg_mesa.demo import write_demo_dataset
+    data = write_demo_dataset(data_root, num_train=schedule.num_train, num_val=schedule.num_val,
+                              size=schedule.size, seed=args.seed)
+    print(f'demo: dataset in {data_root} ({data["num_train"]} train / {data["num_val"]} val '
+          f'images of {data["size"]}x{data["size"]}, {len(data["classes"])} classes; '
+          f'{"written" if data["written"] else "already there"})', flush=True)
+
+    import torch
+    torch.set_num_threads(args.threads)
+    options = cfg_options(data_root, args.seed, schedule)
+    memory = measure_saved_bytes(options, args.seed)
+    for name, result in memory.items():
+        print(f'demo: {name}: one training step saves {result["saved_bytes"] / 2**20:.2f} MiB '
+              'for backward', flush=True)
+
+    summary: dict[str, dict[str, Any]] = {}
+    curves = {}
+    parallel = not args.sequential and (os.cpu_count() or 1) >= 2 * args.threads
+    runs = train_all(work_dir, options, args.threads, parallel)
+    for name, config in CONFIGS.items():
+        run = runs[name]
+        scalars = read_scalars(run['run_dir'])
+        curves[name] = scalars.pop('loss_curve')
+        summary[name] = dict(miou=scalars.pop('miou'), saved_bytes=memory[name]['saved_bytes'],
+                             train_time_s=run.pop('train_time_s'), **run, **scalars,
+                             saved_by_type=memory[name]['saved_by_type'], config=config)
+    summary['mesa']['saved_bytes_ratio'] = round(
+        summary['mesa']['saved_bytes'] / max(1, summary['baseline']['saved_bytes']), 4)
+
+    with open(osp.join(work_dir, 'summary.json'), 'w') as f:
+        json.dump(summary, f, indent=2)
+    plot(summary, curves, osp.join(work_dir, 'summary.png'))
+    print('\n' + format_table(summary))
+    print('(Peak RSS is mostly the libraries; the activations of a model this small are a few '
+          'MiB, so the\n saved-for-backward row is where Mesa shows.)')
+    print(f'\ndemo: done in {time.perf_counter() - start:.0f} s; '
+          f'wrote {osp.join(work_dir, "summary.json")} and summary.png', flush=True)
+
+
+if __name__ == '__main__':
+    main()
