@@ -69,7 +69,8 @@ CASES = [
     Case('relu', lambda: nn.ReLU(), [(3, 7, 37)], _swap(MesaReLU), exact_grad=True),
     Case('dropout', lambda: nn.Dropout(0.3), [(3, 7, 37)], _swap(MesaDropout), exact_grad=True),
     Case('matmul', lambda: TorchMatMul(), [(2, 3, 7, 5), (2, 3, 5, 6)],
-         lambda _m, cfg: MesaMatMul(cfg), memory_shapes=[(4, 3, 49, 32), (4, 3, 32, 49)]),
+         lambda _m, cfg: MesaMatMul(mesa_config=cfg),
+         memory_shapes=[(4, 3, 49, 32), (4, 3, 32, 49)]),
     Case('matmul_broadcast', lambda: TorchMatMul(), [(2, 3, 7, 5), (3, 5, 6)],
-         lambda _m, cfg: MesaMatMul(cfg), memory_shapes=[(4, 3, 49, 32), (3, 32, 49)]),
+         lambda _m, cfg: MesaMatMul(mesa_config=cfg), memory_shapes=[(4, 3, 49, 32), (3, 32, 49)]),
 ]

@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from mmcv.cnn.bricks.drop import DropPath
 from mmseg.models.backbones.swin import WindowMSA
@@ -26,10 +24,10 @@ from ..layers.recompute import recomputed_losses
 class MesaWindowMSA(MesaModule, WindowMSA):
     """Swin window attention with both attention matmuls compressed per head."""
 
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+    def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
-        self.mesa_qk = MesaMatMul(config)
-        self.mesa_av = MesaMatMul(config)
+        self.mesa_qk = MesaMatMul(mesa_config=config)
+        self.mesa_av = MesaMatMul(mesa_config=config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if not self.mesa_active(x, self.qkv.weight):

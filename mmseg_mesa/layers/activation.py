@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
-from .base import MesaModule, make_quantizer, no_autocast_backward
+from .base import MesaModule, no_autocast_backward
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -53,13 +52,7 @@ class MesaGELUFunction(torch.autograd.Function):
 class MesaGELU(MesaModule, nn.GELU):
     """``nn.GELU`` whose saved input is quantized per channel group (last dim)."""
 
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
-
-    def mesa_setup(self, config: MesaConfig, group_dim: int = -1, **options: Any) -> None:
-        super().mesa_setup(config)
-        self.quant_input = make_quantizer(config, group_dim=group_dim)
+    mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
@@ -88,10 +81,6 @@ class MesaReLUFunction(torch.autograd.Function):
 
 class MesaReLU(MesaModule, nn.ReLU):
     """``nn.ReLU`` that saves a 1-bit mask instead of its output."""
-
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):

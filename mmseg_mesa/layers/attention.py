@@ -18,7 +18,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, autocast_cast, make_quantizer, no_autocast_backward
+from .base import MesaModule, autocast_cast, no_autocast_backward
 from .dropout import MesaDropout
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMul
@@ -95,19 +95,17 @@ class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
     would use ``scaled_dot_product_attention`` instead, whose rounding may differ in the last bit.
     """
 
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+    mesa_quantizers = {name: (-1, None) for name in ('quant_q', 'quant_k', 'quant_v', 'quant_out')}
+
+    def mesa_setup(self, config: MesaConfig) -> None:
         reason = unsupported_mha_reason(self)
         if reason is not None:
             raise ValueError(f'MesaMultiheadAttention: {reason}')
         super().mesa_setup(config)
-        self.quant_q = make_quantizer(config, group_dim=-1)
-        self.quant_k = make_quantizer(config, group_dim=-1)
-        self.quant_v = make_quantizer(config, group_dim=-1)
-        self.mesa_qk = MesaMatMul(config)
+        self.mesa_qk = MesaMatMul(mesa_config=config)
         self.mesa_softmax = MesaSoftmax(dim=-1, mesa_config=config)
         self.mesa_attn_drop = MesaDropout(self.dropout, mesa_config=config)
-        self.mesa_av = MesaMatMul(config)
-        self.quant_out = make_quantizer(config, group_dim=-1)
+        self.mesa_av = MesaMatMul(mesa_config=config)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,

@@ -37,13 +37,23 @@ class MesaModule:
 
     mesa_config: MesaConfig
     mesa_original_type: str  # the torch/mmcv class it was converted from (reports, memory)
+    # The activations a layer saves: attribute name -> (group_dim, group_size), where a
+    # group_size of None means the config's channel groups. One ActivationQuantizer each.
+    mesa_quantizers: dict[str, tuple[int, int | None]] = {}
 
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
+        """Build the torch module from its usual arguments, then attach Mesa."""
+        super().__init__(*args, **kwargs)
+        self.mesa_setup(mesa_config or MesaConfig())
+
+    def mesa_setup(self, config: MesaConfig) -> None:
         """Attach the quantizers; called once after the class swap (or from ``__init__``)."""
         self.mesa_config = config
+        for name, (group_dim, group_size) in self.mesa_quantizers.items():
+            setattr(self, name, make_quantizer(config, group_dim, group_size))
 
     @classmethod
-    def convert(cls: type[M], module: nn.Module, config: MesaConfig, **options: Any) -> M:
+    def convert(cls: type[M], module: nn.Module, config: MesaConfig) -> M:
         """Turn ``module`` (an instance of this class's torch base) into this Mesa class, in place.
 
         A subclass of the base (e.g. mmcv's ``Linear``) becomes a class deriving from both, so its
@@ -66,7 +76,7 @@ class MesaModule:
             target = _SWAPPED[key]
         module.__class__ = target
         module.mesa_original_type = original.__name__
-        module.mesa_setup(config, **options)
+        module.mesa_setup(config)
         return module
 
     def mesa_active(self, *tensors: torch.Tensor | None) -> bool:

@@ -10,7 +10,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, autocast_cast, make_quantizer, no_autocast_backward
+from .base import MesaModule, autocast_cast, no_autocast_backward
 
 
 def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> torch.Tensor:
@@ -72,15 +72,12 @@ class MesaConv2d(MesaModule, nn.Conv2d):
     String padding (``'same'``/``'valid'``) is not supported; conversion leaves such layers alone.
     """
 
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
+    mesa_quantizers = {'quant_input': (1, None)}
 
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
+    def mesa_setup(self, config: MesaConfig) -> None:
         if isinstance(self.padding, str):
             raise ValueError(f'MesaConv2d: string padding {self.padding!r} is not supported')
         super().mesa_setup(config)
-        self.quant_input = make_quantizer(config, group_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x, self.weight, self.bias):

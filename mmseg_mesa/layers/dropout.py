@@ -6,7 +6,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import MesaConfig
 from ..saved import PackedMask, load, save
 from .base import MesaModule
 
@@ -42,10 +41,6 @@ class MesaDropoutFunction(torch.autograd.Function):
 
 class MesaDropout(MesaModule, nn.Dropout):
     """``nn.Dropout`` keeping a 1-bit mask instead of the scaled noise tensor."""
-
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x) or not 0.0 < self.p < 1.0 or self.inplace or x.numel() == 0:

@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, autocast_cast, make_quantizer, no_autocast_backward
+from .base import MesaModule, autocast_cast, no_autocast_backward
 
 
 class MesaLinearFunction(torch.autograd.Function):
@@ -49,13 +48,7 @@ class MesaLinearFunction(torch.autograd.Function):
 class MesaLinear(MesaModule, nn.Linear):
     """``nn.Linear`` whose saved input is quantized per channel group (last dim)."""
 
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
-
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
-        super().mesa_setup(config)
-        self.quant_input = make_quantizer(config, group_dim=-1)
+    mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x, self.weight, self.bias):

@@ -6,10 +6,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, autocast_cast, make_quantizer, no_autocast_backward, sum_to
+from .base import MesaModule, autocast_cast, no_autocast_backward, sum_to
 
 
 class MesaMatMulFunction(torch.autograd.Function):
@@ -55,20 +54,11 @@ class MatMul(nn.Module):
 class MesaMatMul(MesaModule, MatMul):
     """``forward(a, b) = a @ b``, compressing operands of 2 or more dims.
 
-    Both operands are quantized with one group per index of ``group_dim`` (dim 1: one group per
-    head for ``(B, heads, N, d)`` attention operands).
+    Both operands are quantized with one group per index of dim 1: one group per head for
+    ``(B, heads, N, d)`` attention operands.
     """
 
-    def __init__(self, mesa_config: MesaConfig | None = None, group_dim: int = 1,
-                 group_size: int = 1) -> None:
-        super().__init__()
-        self.mesa_setup(mesa_config or MesaConfig(), group_dim=group_dim, group_size=group_size)
-
-    def mesa_setup(self, config: MesaConfig, group_dim: int = 1, group_size: int = 1,
-                   **options: Any) -> None:
-        super().mesa_setup(config)
-        self.quant_a = make_quantizer(config, group_dim=group_dim, group_size=group_size)
-        self.quant_b = make_quantizer(config, group_dim=group_dim, group_size=group_size)
+    mesa_quantizers = {'quant_a': (1, 1), 'quant_b': (1, 1)}
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(a, b) or a.dim() < 2 or b.dim() < 2:

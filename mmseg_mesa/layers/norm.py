@@ -8,10 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, make_quantizer, no_autocast_backward
+from .base import MesaModule, no_autocast_backward
 
 
 class MesaLayerNormFunction(torch.autograd.Function):
@@ -62,13 +61,7 @@ class MesaLayerNormFunction(torch.autograd.Function):
 class MesaLayerNorm(MesaModule, nn.LayerNorm):
     """``nn.LayerNorm`` whose saved input is quantized per channel group (last dim)."""
 
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
-
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
-        super().mesa_setup(config)
-        self.quant_input = make_quantizer(config, group_dim=-1)
+    mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x, self.weight, self.bias):
@@ -176,9 +169,7 @@ class MesaBatchNorm(MesaModule, _BatchNorm):
     anyway, and 2 floats per channel cost nothing next to the activation).
     """
 
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
-        super().mesa_setup(config)
-        self.quant_input = make_quantizer(config, group_dim=1, group_size=1)
+    mesa_quantizers = {'quant_input': (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x, self.weight, self.bias):
@@ -193,7 +184,3 @@ class MesaBatchNorm(MesaModule, _BatchNorm):
 
 class MesaBatchNorm2d(MesaBatchNorm, nn.BatchNorm2d):
     """``nn.BatchNorm2d`` with an 8-bit saved input."""
-
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        nn.BatchNorm2d.__init__(self, *args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())

@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, make_quantizer, no_autocast_backward
+from .base import MesaModule, no_autocast_backward
 
 
 class MesaSoftmaxFunction(torch.autograd.Function):
@@ -48,13 +47,7 @@ class MesaSoftmax(MesaModule, nn.Softmax):
     For attention maps ``(B, heads, N, N)`` that is one group per head, as in Mesa.
     """
 
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
-
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
-        super().mesa_setup(config)
-        self.quant_output = make_quantizer(config, group_dim=1, group_size=1)
+    mesa_quantizers = {'quant_output': (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x) or x.dim() < 2:

@@ -36,10 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, make_quantizer, no_autocast_backward
+from .base import MesaModule, no_autocast_backward
 from .norm import (
     MesaBatchNormFunction,
     batch_norm_grads,
@@ -179,13 +178,7 @@ class MesaSyncBatchNorm(MesaModule, nn.SyncBatchNorm):
     takes the local path instead of refusing CPU input (torch checks the device first).
     """
 
-    def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
-
-    def mesa_setup(self, config: MesaConfig, **options: Any) -> None:
-        super().mesa_setup(config)
-        self.quant_input = make_quantizer(config, group_dim=1, group_size=1)
+    mesa_quantizers = {'quant_input': (1, 1)}
 
     def sync_world_size(self) -> int:
         """Ranks in this layer's process group; 1 when not distributed."""
