@@ -1,7 +1,7 @@
 """The main job: train a small Swin-UPerNet with and without Mesa on CPU and compare them.
 
-    python tools/demo.py                # ~5 minutes on two idle CPU cores (runs in parallel)
-    python tools/demo.py --sequential   # one run after the other: ~7 minutes
+    python tools/demo.py                # ~7.5 minutes on two idle CPU cores (runs in parallel)
+    python tools/demo.py --sequential   # one run after the other: ~10.5 minutes
     python tools/demo.py --quick        # a smoke run of a few iterations (what the tests use)
 
 Steps: write the generated demo dataset (``mmseg_mesa.demo``); count the bytes one training step

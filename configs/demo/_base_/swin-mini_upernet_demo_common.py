@@ -2,7 +2,8 @@
 # share, because mmengine refuses the same key in two bases (the Mesa one also inherits
 # `_base_/mesa.py`, which sets `custom_imports` too).
 #
-# A Swin-UPerNet small enough to train on two CPU cores in a couple of minutes, on the dataset
+# A Swin-UPerNet small enough to train on one CPU core in a few minutes (1000 iterations: the
+# baseline ~3 min, Mesa ~7 min with the pure-PyTorch quantizer), on the dataset
 # that `mmseg_mesa.demo.write_demo_dataset` generates (64x64 scenes of 6 classes). No pretrained
 # weights; BN rather than SyncBN since it runs in one process.
 data_root = 'data/mesa_demo'
@@ -90,7 +91,7 @@ model = dict(
     train_cfg=dict(),
     test_cfg=dict(mode='whole'))
 
-max_iters = 600
+max_iters = 1000
 optim_wrapper = dict(
     type='OptimWrapper',
     optimizer=dict(type='AdamW', lr=2e-3, betas=(0.9, 0.999), weight_decay=0.01),
