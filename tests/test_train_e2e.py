@@ -120,3 +120,13 @@ def test_bad_mesa_config_fails_before_training(tmp_path, data_root, option, mess
     assert bad.returncode != 0
     assert message in bad.stderr + bad.stdout
     assert 'Iter(train)' not in bad.stdout + bad.stderr
+
+
+def test_our_test_tool_evaluates_the_checkpoint_with_the_plain_config(trained, data_root):
+    work_dir, _, _ = trained
+    cmd = [sys.executable, osp.join(ROOT, 'tools/test.py'), PLAIN_CONFIG,
+           osp.join(work_dir, 'iter_4.pth'), '--work-dir', osp.join(work_dir, 'tool_test'),
+           '--cfg-options', *data_options(data_root)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'mIoU' in proc.stdout + proc.stderr

@@ -7,45 +7,29 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import os.path as osp
 
-from mmengine.config import Config, DictAction
+from mmengine.config import Config
 from mmengine.logging import print_log
 from mmengine.runner import Runner
 from mmseg.registry import RUNNERS
 
 from mmseg_mesa.integrations import enable_mesa_in_config
+from mmseg_mesa.integrations.cli import add_runner_arguments, load_runner_config, parse_runner_args
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description='Train a segmentor (with Mesa if configured)')
     parser.add_argument('config', help='train config file path')
-    parser.add_argument('--work-dir', help='the dir to save logs and models')
     parser.add_argument('--resume', action='store_true', default=False,
                         help='resume from the latest checkpoint in the work_dir automatically')
     parser.add_argument('--amp', action='store_true', default=False,
                         help='enable automatic-mixed-precision training')
-    parser.add_argument('--cfg-options', nargs='+', action=DictAction,
-                        help='override config settings, e.g. mesa=True or mesa.bits=4')
-    parser.add_argument('--launcher', choices=['none', 'pytorch', 'slurm', 'mpi'],
-                        default='none', help='job launcher')
-    parser.add_argument('--local_rank', '--local-rank', type=int, default=0)
-    args = parser.parse_args()
-    if 'LOCAL_RANK' not in os.environ:
-        os.environ['LOCAL_RANK'] = str(args.local_rank)
-    return args
+    add_runner_arguments(parser)
+    return parse_runner_args(parser)
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    cfg = Config.fromfile(args.config)
-    cfg.launcher = args.launcher
-    if args.cfg_options is not None:
-        cfg.merge_from_dict(args.cfg_options)
-    if args.work_dir is not None:
-        cfg.work_dir = args.work_dir
-    elif cfg.get('work_dir', None) is None:
-        cfg.work_dir = osp.join('./work_dirs', osp.splitext(osp.basename(args.config))[0])
+    cfg = load_runner_config(args)
     if args.amp:
         if cfg.optim_wrapper.type == 'AmpOptimWrapper':
             print_log('AMP training is already enabled in your config.', logger='current',
