@@ -12,12 +12,6 @@ import torch
 PACKABLE_BITS = (1, 2, 4, 8)
 
 
-def packed_numel(numel: int, bits: int) -> int:
-    """Bytes needed for ``numel`` codes of ``bits`` bits."""
-    per_byte = 8 // bits
-    return (numel + per_byte - 1) // per_byte
-
-
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 ``codes`` (each < 2**bits) into a flat uint8 tensor."""
     if bits not in PACKABLE_BITS:

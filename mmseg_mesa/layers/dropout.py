@@ -64,7 +64,3 @@ class MesaDropPathFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (mask,) = load(ctx)
         return (grad * mask.unpack().to(grad.dtype)).div(ctx.keep_prob), None
-
-
-def drop_path_probability(module: nn.Module) -> float:
-    return float(getattr(module, 'drop_prob', 0.0))
