@@ -1,6 +1,7 @@
 """mmseg-mesa: Mesa memory-saving training (8-bit saved activations) for mmsegmentation."""
 from .config import MesaConfig
 from .convert import ConversionReport, convert_to_mesa, register_handler
+from .division import DivisionCompressor, DivisionPacked, DivisionSpec
 from .layers import (
                      MatMul,
                      MesaBatchNorm,
@@ -24,5 +25,6 @@ __all__ = [
     'MesaConfig', 'ConversionReport', 'convert_to_mesa', 'register_handler', 'MesaModule',
     'MesaLinear', 'MesaConv2d', 'MesaGELU', 'MesaReLU', 'MesaSoftmax', 'MesaLayerNorm',
     'MesaBatchNorm', 'MesaBatchNorm2d', 'MesaSyncBatchNorm', 'MatMul', 'MesaMatMul', 'MesaDropout',
-    'ActivationQuantizer', 'Packed', 'QuantSpec', 'pack', 'unpack', '__version__',
+    'ActivationQuantizer', 'Packed', 'QuantSpec', 'pack', 'unpack', 'DivisionCompressor',
+    'DivisionPacked', 'DivisionSpec', '__version__',
 ]

@@ -7,20 +7,48 @@ becomes a ``MesaConfig``.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_BITS = (2, 4, 8)
 BACKENDS = ('auto', 'cuda', 'torch')
+COMPRESSORS = ('mesa', 'division')
 LAYER_TYPES = (
     'linear', 'conv2d', 'gelu', 'softmax', 'layernorm', 'matmul', 'batchnorm', 'relu', 'dropout',
     'droppath', 'attention', 'loss',
 )
+# Layer types whose saved activation is a feature map (channels x space or tokens x channels),
+# which DIVISION's low-pass + residual split applies to. Attention maps, attention operands and
+# masks keep Mesa's quantizer.
+DIVISION_LAYER_TYPES = ('linear', 'conv2d', 'gelu', 'layernorm', 'batchnorm')
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
     raise ValueError(f'MesaConfig: invalid {key}={value!r}; allowed: {allowed}')
+
+
+def _is_bits(value: Any) -> bool:
+    return not isinstance(value, bool) and value in SUPPORTED_BITS
+
+
+def _types(key: str, value: Any, allowed: tuple[str, ...]) -> frozenset[str]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        _fail(key, value, 'a collection of ' + ', '.join(allowed))
+    value = frozenset(value)
+    unknown = sorted(value - set(allowed))
+    if unknown:
+        _fail(key, unknown, ', '.join(allowed))
+    return value
+
+
+def _patterns(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Iterable) or not all(isinstance(p, str) for p in value):
+        _fail(key, value, 'a sequence of fnmatch patterns (strings)')
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -32,6 +60,10 @@ class MesaConfig:
             Defaults to True.
         bits: Bit width of saved activations (masks of ReLU/Dropout are always 1 bit).
             Defaults to 8, as in the paper.
+        layer_bits: Bit widths per layer type that override ``bits``, e.g.
+            ``{'gelu': 4}``; an ``'attention'`` entry also covers the matmuls and softmax inside
+            converted attention modules unless those types have entries of their own.
+            Defaults to none.
         group_size: Channels that share one scale/offset for hidden features. Attention maps and
             the operands of attention matmuls always use one group per head. Defaults to 1: one
             group per channel, finer than the paper's head-wise groups at a cost of 8 bytes per
@@ -49,6 +81,19 @@ class MesaConfig:
             heads keep only their low-resolution logits for the loss (exact recomputation, no
             quantization). Defaults to all of them.
         skip: ``fnmatch`` patterns of qualified module names left unconverted. Defaults to ().
+        compressor: ``'mesa'`` (the 8-bit quantizer) or ``'division'`` (DIVISION's low-pass copy
+            plus a low-bit residual, see ``mmseg_mesa.division``) for every layer of a type in
+            ``DIVISION_LAYER_TYPES``; other types always use Mesa's quantizer. Defaults to
+            ``'mesa'``.
+        division: Layer types (from ``DIVISION_LAYER_TYPES``) that use DIVISION whatever
+            ``compressor`` says. Defaults to none.
+        division_modules: ``fnmatch`` patterns of qualified module names that use DIVISION
+            (matching modules of other types keep Mesa's quantizer). Defaults to ().
+        division_block: Side of DIVISION's average-pooling block. Defaults to 8 (the paper's).
+        division_bits: Bit width of DIVISION's high-frequency residual. Defaults to 2.
+
+    Named presets (``MesaConfig.preset(name)``, or ``mesa=dict(preset=name, ...)`` in a config)
+    bundle these fields; see ``PRESETS``.
     """
 
     enabled: bool = True
@@ -59,11 +104,17 @@ class MesaConfig:
     backend: str = 'auto'
     layers: frozenset[str] = field(default_factory=lambda: frozenset(LAYER_TYPES))
     skip: tuple[str, ...] = ()
+    layer_bits: tuple[tuple[str, int], ...] = ()
+    compressor: str = 'mesa'
+    division: frozenset[str] = frozenset()
+    division_modules: tuple[str, ...] = ()
+    division_block: int = 8
+    division_bits: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             _fail('enabled', self.enabled, 'True or False')
-        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+        if not _is_bits(self.bits):
             _fail('bits', self.bits, ', '.join(map(str, SUPPORTED_BITS)))
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) \
                 or self.group_size < 1:
@@ -75,20 +126,52 @@ class MesaConfig:
             _fail('stochastic_rounding', self.stochastic_rounding, 'True or False')
         if self.backend not in BACKENDS:
             _fail('backend', self.backend, ', '.join(BACKENDS))
-        layers = self.layers
-        if isinstance(layers, str) or not isinstance(layers, Iterable):
-            _fail('layers', layers, 'a collection of ' + ', '.join(LAYER_TYPES))
-        layers = frozenset(layers)
-        unknown = sorted(layers - set(LAYER_TYPES))
-        if unknown:
-            _fail('layers', unknown, ', '.join(LAYER_TYPES))
-        object.__setattr__(self, 'layers', layers)
-        skip = self.skip
-        if isinstance(skip, str):
-            skip = (skip,)
-        if not all(isinstance(p, str) for p in skip):
-            _fail('skip', self.skip, 'a sequence of fnmatch patterns (strings)')
-        object.__setattr__(self, 'skip', tuple(skip))
+        object.__setattr__(self, 'layers', _types('layers', self.layers, LAYER_TYPES))
+        object.__setattr__(self, 'skip', _patterns('skip', self.skip))
+        layer_bits = self.layer_bits
+        items = layer_bits.items() if isinstance(layer_bits, Mapping) else layer_bits
+        try:
+            layer_bits = dict(items)
+        except (TypeError, ValueError):
+            _fail('layer_bits', self.layer_bits, 'a mapping of layer type to bit width')
+        _types('layer_bits', layer_bits, LAYER_TYPES)
+        bad = {k: v for k, v in layer_bits.items() if not _is_bits(v)}
+        if bad:
+            _fail('layer_bits', bad, 'bit widths ' + ', '.join(map(str, SUPPORTED_BITS)))
+        object.__setattr__(self, 'layer_bits', tuple(sorted(layer_bits.items())))
+        if self.compressor not in COMPRESSORS:
+            _fail('compressor', self.compressor, ', '.join(COMPRESSORS))
+        object.__setattr__(self, 'division',
+                           _types('division', self.division, DIVISION_LAYER_TYPES))
+        object.__setattr__(self, 'division_modules',
+                           _patterns('division_modules', self.division_modules))
+        if isinstance(self.division_block, bool) or not isinstance(self.division_block, int) \
+                or self.division_block < 2:
+            _fail('division_block', self.division_block, 'an integer >= 2')
+        if not _is_bits(self.division_bits):
+            _fail('division_bits', self.division_bits, ', '.join(map(str, SUPPORTED_BITS)))
+
+    def for_layer(self, layer_type: str, name: str = '') -> MesaConfig:
+        """The config one converted module gets: its bit width and compressor resolved.
+
+        ``bits`` becomes the layer type's entry of ``layer_bits`` (if any) and ``compressor``
+        becomes ``'division'`` or ``'mesa'`` for this module, so layers only read those two.
+        """
+        if layer_type not in LAYER_TYPES:
+            raise ValueError(f'MesaConfig.for_layer: unknown layer type {layer_type!r}; '
+                             f'known: {", ".join(LAYER_TYPES)}')
+        division = layer_type in DIVISION_LAYER_TYPES and (
+            self.compressor == 'division' or layer_type in self.division
+            or any(fnmatch.fnmatchcase(name, p) for p in self.division_modules))
+        return dataclasses.replace(self, bits=dict(self.layer_bits).get(layer_type, self.bits),
+                                   compressor='division' if division else 'mesa')
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> MesaConfig:
+        """A named preset (see ``PRESETS``) with some fields overridden."""
+        if name not in PRESETS:
+            raise ValueError(f'MesaConfig: unknown preset {name!r}; presets: {", ".join(PRESETS)}')
+        return cls(**{**PRESETS[name], **overrides})
 
     @classmethod
     def from_cfg(cls, value: bool | Mapping[str, Any] | MesaConfig | None) -> MesaConfig | None:
@@ -103,15 +186,32 @@ class MesaConfig:
             return None
         if value is True:
             return cls()
+        if isinstance(value, str):
+            return cls.preset(value)
         if not isinstance(value, Mapping):
-            raise ValueError(f'mesa must be True, False or a dict, got {type(value).__name__}')
-        valid = [f.name for f in dataclasses.fields(cls)]
+            raise ValueError('mesa must be True, False, a preset name or a dict, got '
+                             f'{type(value).__name__}')
+        valid = ['preset'] + [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(value) - set(valid))
         if unknown:
             raise ValueError(f'mesa: unknown key(s) {unknown}; valid keys: {valid}')
         kwargs = dict(value)
-        if 'layers' in kwargs and not isinstance(kwargs['layers'], str):
-            kwargs['layers'] = frozenset(kwargs['layers'])
-        if 'skip' in kwargs and isinstance(kwargs['skip'], list):
-            kwargs['skip'] = tuple(kwargs['skip'])
-        return cls(**kwargs)
+        for key in ('skip', 'division_modules'):
+            if isinstance(kwargs.get(key), list):
+                kwargs[key] = tuple(kwargs[key])
+        preset = kwargs.pop('preset', None)
+        return cls(**kwargs) if preset is None else cls.preset(preset, **kwargs)
+
+
+# Named presets: fields that differ from MesaConfig's defaults. Their memory ratios and demo
+# fidelity are measured in docs/benchmarks.md (`tools/benchmark_memory.py` runs each as a mode).
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper: every supported layer keeps an 8-bit copy; the loss is left as it is.
+    'mesa': dict(layers=frozenset(LAYER_TYPES) - {'loss'}),
+    # MesaConfig(): 8 bits, plus the exact low-resolution loss and 1-bit ReLU masks.
+    'default': {},
+    # About half the default's bytes: 4-bit codes everywhere but the attention maps (8 bits).
+    # DIVISION on the conv / batch-norm inputs would save more but cost 1.1 mIoU on the demo
+    # (docs/benchmarks.md), so no preset turns it on.
+    'max-saving': dict(bits=4, layer_bits={'softmax': 8}),
+}

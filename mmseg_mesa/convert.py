@@ -132,7 +132,7 @@ def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
             report.left[name] = (type(module).__name__, reason)
             continue
         original = type(module).__name__
-        covered = handler.convert(module, config) or ()
+        covered = handler.convert(module, config.for_layer(handler.layer_type, name)) or ()
         report.converted[name] = (original, type(module).__name__)
         for child in covered:
             full = f'{name}.{child}' if name else child

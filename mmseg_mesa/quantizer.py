@@ -18,6 +18,7 @@ and ``x_hat = code * scale + lower`` (a multiply, then an add: no fused multiply
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -200,12 +201,15 @@ def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tens
                   spec.group_size, spec.backend)
 
 
-def unpack(packed: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
+def unpack(packed: Packed | Any, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dequantize to the shape that was packed (contiguous), in ``dtype`` or the packed dtype.
 
     Backward formulas that compute in fp32 ask for fp32 directly, so a bf16 activation is not
-    rounded to bf16 once more on the way back.
+    rounded to bf16 once more on the way back. Other compressors' results (``DivisionPacked``)
+    decode themselves through their ``restore``, so layers call this one function.
     """
+    if not isinstance(packed, Packed):
+        return packed.restore(dtype)
     numel = packed.shape.numel()
     kernel = _backend.kernels_for(packed.data, packed.backend)
     codes = packed.data if packed.bits == 8 else unpack_bits(packed.data, packed.bits, numel)

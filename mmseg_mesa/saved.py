@@ -1,8 +1,9 @@
 """Saving packed activations through ``ctx.save_for_backward``.
 
 Every tensor a Mesa layer keeps for backward goes through ``ctx.save_for_backward`` (so autograd's
-saved-tensor hooks, version checks and memory accounting see it). ``Packed`` activations and bit
-masks are flattened into their tensors here and rebuilt in backward; layers never see the layout.
+saved-tensor hooks, version checks and memory accounting see it). ``Packed`` / ``DivisionPacked``
+activations and bit masks are flattened into their tensors here and rebuilt in backward; layers
+never see the layout.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from .bitpack import pack_mask, unpack_mask
+from .division import DivisionPacked
 from .quantizer import Packed
 
 
@@ -30,7 +32,7 @@ class PackedMask:
         return unpack_mask(self.data, self.shape)
 
 
-Saveable = torch.Tensor | Packed | PackedMask | None
+Saveable = torch.Tensor | Packed | DivisionPacked | PackedMask | None
 
 
 def save(ctx: Any, *items: Saveable) -> None:
@@ -38,9 +40,9 @@ def save(ctx: Any, *items: Saveable) -> None:
     flat: list[torch.Tensor | None] = []
     layout: list[tuple] = []
     for item in items:
-        if isinstance(item, Packed):
+        if isinstance(item, (Packed, DivisionPacked)):
             tensors = item.tensors()
-            layout.append(('packed', len(tensors), item.meta()))
+            layout.append((type(item), len(tensors), item.meta()))
             flat.extend(tensors)
         elif isinstance(item, PackedMask):
             layout.append(('mask', 1, item.shape))
@@ -60,8 +62,8 @@ def load(ctx: Any) -> list[Saveable]:
     for kind, count, meta in ctx.mesa_layout:
         chunk = flat[pos:pos + count]
         pos += count
-        if kind == 'packed':
-            items.append(Packed.rebuild(tuple(chunk), meta))
+        if isinstance(kind, type):
+            items.append(kind.rebuild(tuple(chunk), meta))
         elif kind == 'mask':
             items.append(PackedMask(chunk[0], meta))
         else:

@@ -49,5 +49,7 @@ def test_from_cfg_unknown_key_lists_valid_ones():
 
 
 def test_from_cfg_rejects_other_types():
-    with pytest.raises(ValueError, match='mesa must be'):
+    with pytest.raises(ValueError, match="unknown preset 'yes'"):
         MesaConfig.from_cfg('yes')
+    with pytest.raises(ValueError, match='mesa must be'):
+        MesaConfig.from_cfg(8)

@@ -301,3 +301,16 @@ def test_activation_quantizer_stochastic_cuda_stays_within_one_step():
     packed = q.pack(x)
     step = packed.scale.repeat_interleave(32)
     assert ((unpack(packed) - x).abs() <= step * (1 + 1e-5)).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize('shape, channel_dim', [((2, 16, 19, 13), 1), ((8, 49, 32), -1)])
+def test_division_cuda_backend_matches_torch(shape, channel_dim):
+    from mmseg_mesa.division import DivisionCompressor, DivisionSpec
+    x = torch.randn(shape, device='cuda')
+    packed = {backend: DivisionCompressor(DivisionSpec(
+        bits=2, channel_dim=channel_dim, stochastic=False, backend=backend)).pack(x)
+        for backend in ('cuda', 'torch')}
+    assert torch.equal(packed['cuda'].lfc, packed['torch'].lfc)
+    assert torch.equal(packed['cuda'].hfc.data, packed['torch'].hfc.data)
+    assert torch.equal(unpack(packed['cuda']), unpack(packed['torch']))

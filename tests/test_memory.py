@@ -3,6 +3,7 @@ import json
 import os.path as osp
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -56,8 +57,8 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
     out, png = tmp_path / 'r.json', tmp_path / 'r.png'
     results = benchmark_memory.main([
         osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py'), '--modes', 'baseline',
-        'mesa', 'amp', 'mesa+amp', '--batch', '2', '--size', '32', '32', '--json', str(out),
-        '--plot', str(png)])
+        'mesa', 'mesa:mesa', 'mesa:max-saving', 'amp', 'mesa+amp', '--batch', '2',
+        '--size', '32', '32', '--json', str(out), '--plot', str(png)])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(results))
     assert set(saved) >= {'config', 'device', 'batch', 'size', 'modes'}
@@ -67,4 +68,21 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
         assert sum(entry['by_type'].values()) == entry['saved_bytes']
     assert modes['mesa']['saved_bytes'] < 0.45 * modes['baseline']['saved_bytes']
     assert modes['mesa+amp']['saved_bytes'] < modes['amp']['saved_bytes']
+    # the paper's preset keeps the full-resolution loss; max-saving is below the default
+    assert modes['mesa']['saved_bytes'] < modes['mesa:mesa']['saved_bytes']
+    assert modes['mesa:max-saving']['saved_bytes'] < 0.7 * modes['mesa']['saved_bytes']
+    division = benchmark_memory.main([
+        osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py'), '--modes', 'mesa',
+        '--batch', '2', '--size', '32', '32', '--cfg-options', 'mesa.division=[conv2d,batchnorm]'])
+    assert 'division' in division['mesa']
+    assert division['modes']['mesa']['saved_bytes'] < modes['mesa']['saved_bytes']
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize('bad', ['mesa:tiny', 'amp:max-saving', 'mesa+amp+amp', 'mesa+fp8'])
+def test_benchmark_memory_rejects_bad_modes(bad, capsys):
+    sys.path.insert(0, osp.join(ROOT, 'tools'))
+    import benchmark_memory
+    with pytest.raises(SystemExit):
+        benchmark_memory.parse_args(['--modes', bad])
+    assert 'invalid mode' in capsys.readouterr().err

@@ -7,9 +7,14 @@
 Every mode runs on the same inputs in this one process. For each: bytes saved for backward in a
 training step (deduplicated storages, parameters excluded; works on CPU), peak allocated memory
 (CUDA only), the median time of a forward+backward step, ratios to ``baseline``, and the saved
-bytes by the type of module that saved them. Modes: ``baseline``, ``mesa``, ``amp`` (autocast:
-fp16 on CUDA, bf16 on CPU), ``mesa+amp``, ``checkpoint`` (activation checkpointing of each
-backbone stage, as mmengine's ``activation_checkpointing`` does), ``mesa+checkpoint``.
+bytes by the type of module that saved them. Modes: ``baseline``, ``mesa`` (the config's ``mesa``
+setting: the default preset unless it says otherwise), ``mesa:PRESET`` for every other preset of
+``mmseg_mesa.config.PRESETS`` (``mesa:mesa``, the paper's; ``mesa:max-saving``), ``amp``
+(autocast: fp16 on CUDA, bf16 on CPU), ``mesa+amp``, ``checkpoint`` (activation checkpointing of
+each backbone stage, as mmengine's ``activation_checkpointing`` does), ``mesa+checkpoint``.
+Any Mesa mode combines with ``+amp`` and ``+checkpoint`` (``mesa:max-saving+amp``).
+``--cfg-options`` changes the config as in ``tools/train.py``; ``mesa.*`` keys change what the
+``mesa`` mode measures (e.g. ``--cfg-options "mesa.division=[conv2d,batchnorm]"``).
 """
 from __future__ import annotations
 
@@ -28,13 +33,48 @@ import torch
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DEFAULT_CONFIG = osp.join(
     ROOT, 'configs/swin/mesa_swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py')
-MODES = ('baseline', 'mesa', 'amp', 'mesa+amp', 'checkpoint', 'mesa+checkpoint')
+PRESET_MODES = ('mesa:mesa', 'mesa:max-saving')
+MODES = ('baseline', 'mesa', *PRESET_MODES, 'amp', 'mesa+amp', 'checkpoint', 'mesa+checkpoint')
+
+
+def mode_name(value: str) -> str:
+    """``[mesa[:PRESET]][+amp][+checkpoint]`` or ``baseline``; argparse's check of --modes."""
+    from mmseg_mesa.config import PRESETS
+    head, *options = value.split('+')
+    compressor, _, preset = head.partition(':')
+    valid = (value == 'baseline' or
+             (compressor in ('mesa', 'amp', 'checkpoint') and not (preset and compressor != 'mesa')
+              and (not preset or preset in PRESETS)
+              and set(options) <= {'amp', 'checkpoint'} and len(set(options)) == len(options)))
+    if not valid:
+        raise argparse.ArgumentTypeError(
+            f'invalid mode {value!r}: use baseline, amp, checkpoint or mesa[:PRESET] with '
+            f'optional +amp / +checkpoint; presets: {", ".join(PRESETS)}')
+    return value
+
+
+def mode_config(mode: str, default: Any) -> Any:
+    """The MesaConfig of a mode (``default`` for plain ``mesa``), or None without Mesa."""
+    from mmseg_mesa import MesaConfig
+    head = mode.split('+')[0]
+    if not head.startswith('mesa'):
+        return None
+    preset = head.partition(':')[2]
+    return MesaConfig.preset(preset) if preset else default
+
+
+def add_cfg_options(parser: argparse.ArgumentParser) -> None:
+    from mmengine.config import DictAction
+    parser.add_argument('--cfg-options', nargs='+', action=DictAction, default=None,
+                        help="override config settings, e.g. mesa.bits=4 (the `mesa` mode's "
+                             "config) or mesa.division=[conv2d,batchnorm]")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('config', nargs='?', default=DEFAULT_CONFIG)
-    parser.add_argument('--modes', nargs='+', default=list(MODES), choices=MODES)
+    parser.add_argument('--modes', nargs='+', default=list(MODES), type=mode_name,
+                        help=f'default: {" ".join(MODES)}')
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'),
                         help="input size; defaults to the config's crop_size")
@@ -45,15 +85,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--plot', help='write a PNG bar chart here')
     parser.add_argument('--max-batch', type=float, default=None, metavar='BUDGET_GB',
                         help='CUDA only: the largest power-of-two batch per mode within budget')
+    add_cfg_options(parser)
     args = parser.parse_args(argv)
     if args.max_batch is not None and args.device != 'cuda':
         parser.error('--max-batch measures peak CUDA memory: it needs --device cuda')
     return args
 
 
-def load_config(path: str) -> Any:
+def load_config(path: str, options: dict | None = None) -> Any:
+    """The config with ``--cfg-options`` merged, ready to build without downloads."""
     from mmengine.config import Config
     cfg = Config.fromfile(path)
+    if options:
+        cfg.merge_from_dict(options)
     cfg.model.pretrained = None  # no downloads: memory does not depend on the weights
     if cfg.model.get('backbone', {}).get('init_cfg') is not None:
         cfg.model.backbone.init_cfg = None
@@ -105,8 +149,9 @@ def checkpoint_backbone_stages(model: torch.nn.Module) -> list[str]:
 def prepare(base: torch.nn.Module, mode: str, mesa_config: Any) -> torch.nn.Module:
     from mmseg_mesa import convert_to_mesa
     model = copy.deepcopy(base)
-    if 'mesa' in mode:
-        convert_to_mesa(model, config=mesa_config)
+    config = mode_config(mode, mesa_config)
+    if config is not None:
+        convert_to_mesa(model, config=config)
     if 'checkpoint' in mode:
         checkpoint_backbone_stages(model)
     return model
@@ -254,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     sys.path.insert(0, ROOT)
     from mmseg_mesa import MesaConfig
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.cfg_options)
     mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
     size = tuple(args.size) if args.size else tuple(cfg.get('crop_size', (512, 512)))
     iters = args.iters or (5 if args.device == 'cuda' else 1)

@@ -1,11 +1,15 @@
 """Mesa's gradients next to the exact ones on one batch, and whether their error averages out.
 
     python tools/gradient_fidelity.py [CONFIG] [--draws 8] [--batch 8] [--size 64 64]
+        [--checkpoint PATH] [--cfg-options mesa.preset=max-saving ...]
 
 Builds the config's model (random weights, SyncBN reverted), takes the exact gradient of one
 training step, then Mesa gradients of the same step under several stochastic-rounding draws. If
 the quantization error is unbiased, the relative error of the averaged gradient falls like
-1/sqrt(draws); a bias would make it level off.
+1/sqrt(draws); a bias would make it level off. ``--checkpoint`` measures a trained model instead
+(attention maps of trained models are peaked, which random weights do not show);
+``--cfg-options mesa.KEY=VALUE`` changes the MesaConfig (the config's ``mesa``), e.g.
+``mesa.preset=max-saving`` or ``mesa.stochastic_rounding=False``.
 """
 from __future__ import annotations
 
@@ -19,7 +23,13 @@ import torch
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 sys.path.insert(0, osp.join(ROOT, 'tools'))
 
-from benchmark_memory import build_model, load_config, loss_of, make_batch  # noqa: E402
+from benchmark_memory import (  # noqa: E402
+    add_cfg_options,
+    build_model,
+    load_config,
+    loss_of,
+    make_batch,
+)
 
 
 def gradients(model: torch.nn.Module, batch: tuple) -> dict[str, torch.Tensor]:
@@ -49,16 +59,24 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, float]]:
     parser.add_argument('--draws', type=int, default=8)
     parser.add_argument('--batch', type=int, default=8)
     parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'))
+    parser.add_argument('--checkpoint', help='weights to load (an mmengine checkpoint)')
+    add_cfg_options(parser)
     args = parser.parse_args(argv)
     sys.path.insert(0, ROOT)
     from mmseg_mesa import MesaConfig, convert_to_mesa
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, args.cfg_options)
+    mesa = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()  # a bad value fails here
     size = tuple(args.size) if args.size else tuple(cfg.get('crop_size', (512, 512)))
     reference = build_model(cfg, 'cpu')
+    if args.checkpoint:
+        from mmseg_mesa.integrations.checkpoint import allow_mmengine_checkpoints
+        allow_mmengine_checkpoints()
+        state = torch.load(args.checkpoint, map_location='cpu')
+        reference.load_state_dict(state.get('state_dict', state))
     batch = make_batch(cfg, args.batch, size, 'cpu')
     exact = gradients(reference, batch)
     model = copy.deepcopy(reference)
-    convert_to_mesa(model, config=MesaConfig.from_cfg(cfg.get('mesa', True)))
+    convert_to_mesa(model, config=mesa)
     total, rows = None, []
     print(f'{"draws":>6}{"relative error":>16}{"worst cosine":>14}')
     for draw in range(1, args.draws + 1):

@@ -26,8 +26,8 @@ class MesaWindowMSA(MesaModule, WindowMSA):
 
     def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
-        self.mesa_qk = MesaMatMul(mesa_config=config)
-        self.mesa_av = MesaMatMul(mesa_config=config)
+        self.mesa_qk = MesaMatMul(mesa_config=config.for_layer('matmul'))
+        self.mesa_av = MesaMatMul(mesa_config=config.for_layer('matmul'))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if not self.mesa_active(x, self.qkv.weight):

@@ -102,10 +102,10 @@ class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
         if reason is not None:
             raise ValueError(f'MesaMultiheadAttention: {reason}')
         super().mesa_setup(config)
-        self.mesa_qk = MesaMatMul(mesa_config=config)
-        self.mesa_softmax = MesaSoftmax(dim=-1, mesa_config=config)
-        self.mesa_attn_drop = MesaDropout(self.dropout, mesa_config=config)
-        self.mesa_av = MesaMatMul(mesa_config=config)
+        self.mesa_qk = MesaMatMul(mesa_config=config.for_layer('matmul'))
+        self.mesa_softmax = MesaSoftmax(dim=-1, mesa_config=config.for_layer('softmax'))
+        self.mesa_attn_drop = MesaDropout(self.dropout, mesa_config=config.for_layer('dropout'))
+        self.mesa_av = MesaMatMul(mesa_config=config.for_layer('matmul'))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_padding_mask: torch.Tensor | None = None, need_weights: bool = True,

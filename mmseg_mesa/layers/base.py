@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config import MesaConfig
+from ..division import DivisionCompressor, DivisionSpec
 from ..quantizer import ActivationQuantizer, QuantSpec
 
 M = TypeVar('M', bound=nn.Module)
@@ -24,7 +25,15 @@ def quant_spec(config: MesaConfig, group_dim: int, group_size: int | None = None
 
 
 def make_quantizer(config: MesaConfig, group_dim: int, group_size: int | None = None
-                   ) -> ActivationQuantizer:
+                   ) -> ActivationQuantizer | DivisionCompressor:
+    """The compressor of one saved activation, as ``config.compressor`` says.
+
+    A DIVISION-compressed activation treats ``group_dim`` as its channel dimension.
+    """
+    if config.compressor == 'division':
+        return DivisionCompressor(DivisionSpec(
+            block=config.division_block, bits=config.division_bits, channel_dim=group_dim,
+            stochastic=config.stochastic_rounding, backend=config.backend))
     return ActivationQuantizer(quant_spec(config, group_dim, group_size))
 
 

@@ -1,0 +1,114 @@
+"""Presets and per-layer policies: which layer gets which compressor and bit width."""
+import pytest
+from torch import nn
+
+from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.config import DIVISION_LAYER_TYPES, LAYER_TYPES, PRESETS
+from mmseg_mesa.division import DivisionCompressor
+from mmseg_mesa.quantizer import ActivationQuantizer
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.act = nn.ReLU()
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+        self.gelu = nn.GELU()
+        self.softmax = nn.Softmax(-1)
+        self.head = nn.Conv2d(8, 2, 1)
+
+
+def quantizer(model, name):
+    return model.get_submodule(name).get_submodule(
+        'quant_output' if name == 'softmax' else 'quant_input')
+
+
+def test_every_preset_is_a_valid_config():
+    assert set(PRESETS) == {'mesa', 'default', 'max-saving'}
+    assert MesaConfig.preset('default') == MesaConfig()
+    assert 'loss' not in MesaConfig.preset('mesa').layers
+    assert MesaConfig.preset('mesa').bits == 8
+    assert MesaConfig.preset('max-saving', ema_decay=0.5).ema_decay == 0.5
+
+
+def test_unknown_preset_names_the_presets():
+    with pytest.raises(ValueError, match="unknown preset 'tiny'.*max-saving"):
+        MesaConfig.preset('tiny')
+
+
+def test_max_saving_policy_per_layer():
+    model = Block()
+    convert_to_mesa(model, config=MesaConfig.preset('max-saving'))
+    for name in ('stem', 'head', 'bn', 'fc', 'gelu', 'norm'):
+        assert isinstance(quantizer(model, name), ActivationQuantizer), name
+        assert quantizer(model, name).spec.bits == 4, name
+    assert quantizer(model, 'softmax').spec.bits == 8
+
+
+def test_division_by_layer_type():
+    model = Block()
+    convert_to_mesa(model, config=MesaConfig(division={'conv2d', 'batchnorm'},
+                                             layer_bits={'linear': 4}))
+    for name in ('stem', 'head', 'bn'):
+        assert isinstance(quantizer(model, name), DivisionCompressor), name
+        assert quantizer(model, name).spec.bits == 2 and quantizer(model, name).spec.block == 8
+    assert isinstance(quantizer(model, 'fc'), ActivationQuantizer)
+    assert quantizer(model, 'fc').spec.bits == 4 and quantizer(model, 'gelu').spec.bits == 8
+
+
+def test_layer_bits_and_name_patterns():
+    model = Block()
+    config = MesaConfig(bits=8, layer_bits={'linear': 2, 'gelu': 4}, division_modules=('head',),
+                        division_bits=4, division_block=4)
+    convert_to_mesa(model, config=config)
+    assert quantizer(model, 'fc').spec.bits == 2
+    assert quantizer(model, 'gelu').spec.bits == 4
+    assert quantizer(model, 'norm').spec.bits == 8
+    assert isinstance(quantizer(model, 'stem'), ActivationQuantizer)
+    head = quantizer(model, 'head')
+    assert isinstance(head, DivisionCompressor) and head.spec.bits == 4 and head.spec.block == 4
+
+
+def test_global_division_covers_feature_maps_only():
+    config = MesaConfig(compressor='division')
+    for layer_type in LAYER_TYPES:
+        expected = 'division' if layer_type in DIVISION_LAYER_TYPES else 'mesa'
+        assert config.for_layer(layer_type).compressor == expected
+    with pytest.raises(ValueError, match="unknown layer type 'lstm'"):
+        config.for_layer('lstm')
+
+
+@pytest.mark.parametrize('key, value, allowed', [
+    ('layer_bits', {'linear': 3}, 'bit widths 2, 4, 8'),
+    ('layer_bits', {'lstm': 4}, 'linear'),
+    ('layer_bits', 4, 'a mapping'),
+    ('compressor', 'actnn', 'mesa, division'),
+    ('division', ['softmax'], 'linear, conv2d'),
+    ('division_block', 1, 'integer >= 2'),
+    ('division_bits', 1, '2, 4, 8'),
+    ('division_modules', [3], 'fnmatch'),
+])
+def test_bad_policy_values_name_key_and_allowed(key, value, allowed):
+    with pytest.raises(ValueError) as err:
+        MesaConfig(**{key: value})
+    assert key in str(err.value) and allowed in str(err.value)
+
+
+def test_from_cfg_presets():
+    assert MesaConfig.from_cfg('max-saving') == MesaConfig.preset('max-saving')
+    cfg = MesaConfig.from_cfg(dict(preset='mesa', bits=4, division_modules=['decode_head.*']))
+    assert cfg.bits == 4 and 'loss' not in cfg.layers and cfg.division_modules == ('decode_head.*',)
+    cfg = MesaConfig.from_cfg(dict(layer_bits=dict(gelu=4)))
+    assert cfg.layer_bits == (('gelu', 4),)
+
+
+def test_attention_bits_reach_its_inner_matmuls_unless_they_have_their_own():
+    model = nn.Sequential(nn.MultiheadAttention(16, 2))
+    convert_to_mesa(model, config=MesaConfig(layer_bits={'attention': 4, 'softmax': 8}))
+    attention = model[0]
+    assert attention.quant_q.spec.bits == 4
+    assert attention.mesa_qk.quant_a.spec.bits == 4 and attention.mesa_av.quant_b.spec.bits == 4
+    assert attention.mesa_softmax.quant_output.spec.bits == 8
