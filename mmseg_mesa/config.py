@@ -195,10 +195,7 @@ class MesaConfig:
         unknown = sorted(set(value) - set(valid))
         if unknown:
             raise ValueError(f'mesa: unknown key(s) {unknown}; valid keys: {valid}')
-        kwargs = dict(value)
-        for key in ('skip', 'division_modules'):
-            if isinstance(kwargs.get(key), list):
-                kwargs[key] = tuple(kwargs[key])
+        kwargs = dict(value)  # lists and ConfigDicts become tuples / frozensets in __post_init__
         preset = kwargs.pop('preset', None)
         return cls(**kwargs) if preset is None else cls.preset(preset, **kwargs)
 

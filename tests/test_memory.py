@@ -79,7 +79,8 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
     assert png.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize('bad', ['mesa:tiny', 'amp:max-saving', 'mesa+amp+amp', 'mesa+fp8'])
+@pytest.mark.parametrize('bad', ['mesa:tiny', 'amp:max-saving', 'mesa+amp+amp', 'mesa+fp8',
+                                 'baseline+amp', 'mesa:'])
 def test_benchmark_memory_rejects_bad_modes(bad, capsys):
     sys.path.insert(0, osp.join(ROOT, 'tools'))
     import benchmark_memory

@@ -26,6 +26,7 @@ import os.path as osp
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,34 +34,47 @@ import torch
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DEFAULT_CONFIG = osp.join(
     ROOT, 'configs/swin/mesa_swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py')
-PRESET_MODES = ('mesa:mesa', 'mesa:max-saving')
-MODES = ('baseline', 'mesa', *PRESET_MODES, 'amp', 'mesa+amp', 'checkpoint', 'mesa+checkpoint')
 
 
-def mode_name(value: str) -> str:
-    """``[mesa[:PRESET]][+amp][+checkpoint]`` or ``baseline``; argparse's check of --modes."""
+@dataclass(frozen=True)
+class Mode:
+    """What a mode name asks for: a Mesa config (None: none, '': the config's), AMP, checkpoints."""
+
+    preset: str | None
+    amp: bool
+    checkpoint: bool
+
+
+def parse_mode(value: str) -> Mode:
+    """``baseline``, or ``mesa[:PRESET]`` / ``amp`` / ``checkpoint`` with ``+amp`` /
+    ``+checkpoint``; anything else is an error that lists the presets."""
     from mmseg_mesa.config import PRESETS
     head, *options = value.split('+')
-    compressor, _, preset = head.partition(':')
-    valid = (value == 'baseline' or
-             (compressor in ('mesa', 'amp', 'checkpoint') and not (preset and compressor != 'mesa')
-              and (not preset or preset in PRESETS)
-              and set(options) <= {'amp', 'checkpoint'} and len(set(options)) == len(options)))
-    if not valid:
+    name, sep, preset = head.partition(':')
+    if name == 'mesa':
+        valid, mesa = not sep or preset in PRESETS, preset
+    else:
+        valid, mesa = not sep and (head in ('amp', 'checkpoint') or value == 'baseline'), None
+        options = [head, *options] if head != 'baseline' else options
+    flags = set(options)
+    if not (valid and flags <= {'amp', 'checkpoint'} and len(flags) == len(options)):
         raise argparse.ArgumentTypeError(
             f'invalid mode {value!r}: use baseline, amp, checkpoint or mesa[:PRESET] with '
             f'optional +amp / +checkpoint; presets: {", ".join(PRESETS)}')
+    return Mode(mesa, 'amp' in flags, 'checkpoint' in flags)
+
+
+def mode_name(value: str) -> str:
+    """argparse's check of --modes: the name itself, once ``parse_mode`` accepts it."""
+    parse_mode(value)
     return value
 
 
-def mode_config(mode: str, default: Any) -> Any:
-    """The MesaConfig of a mode (``default`` for plain ``mesa``), or None without Mesa."""
-    from mmseg_mesa import MesaConfig
-    head = mode.split('+')[0]
-    if not head.startswith('mesa'):
-        return None
-    preset = head.partition(':')[2]
-    return MesaConfig.preset(preset) if preset else default
+def default_modes() -> list[str]:
+    """Baseline, the config's Mesa setting, every other preset, AMP and checkpointing."""
+    from mmseg_mesa.config import PRESETS
+    presets = [f'mesa:{name}' for name in PRESETS if name != 'default']
+    return ['baseline', 'mesa', *presets, 'amp', 'mesa+amp', 'checkpoint', 'mesa+checkpoint']
 
 
 def add_cfg_options(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +87,9 @@ def add_cfg_options(parser: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('config', nargs='?', default=DEFAULT_CONFIG)
-    parser.add_argument('--modes', nargs='+', default=list(MODES), type=mode_name,
-                        help=f'default: {" ".join(MODES)}')
+    modes = default_modes()
+    parser.add_argument('--modes', nargs='+', default=modes, type=mode_name,
+                        help=f'default: {" ".join(modes)}')
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'),
                         help="input size; defaults to the config's crop_size")
@@ -147,12 +162,13 @@ def checkpoint_backbone_stages(model: torch.nn.Module) -> list[str]:
 
 
 def prepare(base: torch.nn.Module, mode: str, mesa_config: Any) -> torch.nn.Module:
-    from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa import MesaConfig, convert_to_mesa
     model = copy.deepcopy(base)
-    config = mode_config(mode, mesa_config)
-    if config is not None:
+    parsed = parse_mode(mode)
+    if parsed.preset is not None:
+        config = MesaConfig.preset(parsed.preset) if parsed.preset else mesa_config
         convert_to_mesa(model, config=config)
-    if 'checkpoint' in mode:
+    if parsed.checkpoint:
         checkpoint_backbone_stages(model)
     return model
 
@@ -163,7 +179,7 @@ def loss_of(losses: dict) -> torch.Tensor:
 
 def run_step(model: torch.nn.Module, batch: tuple, mode: str, device: str) -> None:
     amp_dtype = torch.float16 if device == 'cuda' else torch.bfloat16
-    with torch.autocast(device, dtype=amp_dtype, enabled='amp' in mode):
+    with torch.autocast(device, dtype=amp_dtype, enabled=parse_mode(mode).amp):
         losses = model(*batch, mode='loss')
     loss_of(losses).backward()
     model.zero_grad(set_to_none=True)
@@ -178,7 +194,7 @@ def measure(model: torch.nn.Module, batch: tuple, mode: str, device: str, iters:
     from mmseg_mesa.memory import count_saved_tensors
     amp_dtype = torch.float16 if device == 'cuda' else torch.bfloat16
     with count_saved_tensors(model) as saved:
-        with torch.autocast(device, dtype=amp_dtype, enabled='amp' in mode):
+        with torch.autocast(device, dtype=amp_dtype, enabled=parse_mode(mode).amp):
             losses = model(*batch, mode='loss')
     loss_of(losses).backward()
     model.zero_grad(set_to_none=True)
@@ -263,7 +279,8 @@ def plot(results: dict, path: str) -> None:
     mb = 2 ** 20
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     saved = [results['modes'][m]['saved_bytes'] / mb for m in modes]
-    left.bar(modes, saved, color=['#888' if 'mesa' not in m else '#2a7' for m in modes])
+    colours = ['#888' if parse_mode(m).preset is None else '#2a7' for m in modes]
+    left.bar(modes, saved, color=colours)
     left.set_ylabel('saved for backward (MB)')
     left.set_title('Activation memory per mode')
     left.tick_params(axis='x', rotation=30)
