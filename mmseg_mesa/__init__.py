@@ -1,4 +1,8 @@
 """mmseg-mesa: Mesa memory-saving training (8-bit saved activations) for mmsegmentation."""
+from .version import __version__, check_supported_versions
+
+check_supported_versions()  # a clear error naming the range before any module needs newer torch
+
 from .config import MesaConfig
 from .convert import ConversionReport, convert_to_mesa, register_handler
 from .division import DivisionCompressor, DivisionPacked, DivisionSpec
@@ -18,8 +22,6 @@ from .layers import (
                      MesaSyncBatchNorm,
 )
 from .quantizer import ActivationQuantizer, Packed, QuantSpec, pack, unpack
-
-__version__ = '0.1.0'
 
 __all__ = [
     'MesaConfig', 'ConversionReport', 'convert_to_mesa', 'register_handler', 'MesaModule',
