@@ -11,15 +11,28 @@ from .layers import (
                      MesaBatchNorm,
                      MesaBatchNorm2d,
                      MesaConv2d,
+                     MesaConvTranspose2d,
                      MesaDropout,
+                     MesaELU,
                      MesaGELU,
+                     MesaGroupNorm,
+                     MesaHardsigmoid,
+                     MesaHardswish,
+                     MesaHardtanh,
                      MesaLayerNorm,
+                     MesaLeakyReLU,
                      MesaLinear,
                      MesaMatMul,
+                     MesaMaxPool2d,
                      MesaModule,
+                     MesaPReLU,
                      MesaReLU,
+                     MesaReLU6,
+                     MesaSigmoid,
+                     MesaSiLU,
                      MesaSoftmax,
                      MesaSyncBatchNorm,
+                     MesaTanh,
 )
 from .quantizer import ActivationQuantizer, Packed, QuantSpec, pack, unpack
 
@@ -29,4 +42,8 @@ __all__ = [
     'MesaBatchNorm', 'MesaBatchNorm2d', 'MesaSyncBatchNorm', 'MatMul', 'MesaMatMul', 'MesaDropout',
     'ActivationQuantizer', 'Packed', 'QuantSpec', 'pack', 'unpack', 'DivisionCompressor',
     'DivisionPacked', 'DivisionSpec', '__version__',
+    # issue 13
+    'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
+    'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
+    'MesaConvTranspose2d', 'MesaGroupNorm',
 ]

@@ -18,6 +18,10 @@ COMPRESSORS = ('mesa', 'division')
 LAYER_TYPES = (
     'linear', 'conv2d', 'gelu', 'softmax', 'layernorm', 'matmul', 'batchnorm', 'relu', 'dropout',
     'droppath', 'attention', 'loss',
+    # 'activation': Hardtanh / ReLU6 / LeakyReLU / Hardsigmoid keep 1-bit masks whatever the bit
+    # width; PReLU, SiLU, Hardswish, Sigmoid, Tanh, ELU quantize what their backward reads.
+    # 'pooling': max pooling keeps each maximum's position in its window (exact).
+    'activation', 'pooling', 'conv_transpose2d', 'groupnorm',
 )
 # Layer types whose saved activation is a feature map (channels x space or tokens x channels),
 # which DIVISION's low-pass + residual split applies to. Attention maps, attention operands and

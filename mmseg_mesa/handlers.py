@@ -12,13 +12,28 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from .config import MesaConfig
 from .convert import Converter, register_handler
 from .layers.activation import MesaGELU, MesaReLU
+from .layers.activations_extra import (
+    MesaELU,
+    MesaHardsigmoid,
+    MesaHardswish,
+    MesaHardtanh,
+    MesaLeakyReLU,
+    MesaPReLU,
+    MesaReLU6,
+    MesaSigmoid,
+    MesaSiLU,
+    MesaTanh,
+)
 from .layers.attention import MesaMultiheadAttention, unsupported_mha_reason
 from .layers.base import MesaModule
 from .layers.conv import MesaConv2d
+from .layers.conv_transpose import MesaConvTranspose2d, conv_transpose_reason
 from .layers.dropout import MesaDropout
+from .layers.group_norm import MesaGroupNorm
 from .layers.linear import MesaLinear
 from .layers.matmul import MatMul, MesaMatMul
 from .layers.norm import MesaBatchNorm, MesaLayerNorm
+from .layers.pooling import MesaMaxPool2d
 from .layers.softmax import MesaSoftmax
 from .layers.sync_batchnorm import MesaSyncBatchNorm
 
@@ -56,6 +71,18 @@ register_handler(_BatchNorm, 'batchnorm', swap_to(MesaBatchNorm))
 register_handler(nn.SyncBatchNorm, 'batchnorm', swap_to(MesaSyncBatchNorm))
 register_handler(nn.Dropout, 'dropout', swap_to(MesaDropout), _dropout_check)
 register_handler(MatMul, 'matmul', swap_to(MesaMatMul))
+# Activations (issue 13): each type explicitly, ReLU6 apart from its base Hardtanh.
+for _type, _mesa in ((nn.Hardtanh, MesaHardtanh), (nn.ReLU6, MesaReLU6),
+                     (nn.LeakyReLU, MesaLeakyReLU), (nn.PReLU, MesaPReLU), (nn.SiLU, MesaSiLU),
+                     (nn.Hardswish, MesaHardswish), (nn.Hardsigmoid, MesaHardsigmoid),
+                     (nn.Sigmoid, MesaSigmoid), (nn.Tanh, MesaTanh), (nn.ELU, MesaELU)):
+    register_handler(_type, 'activation', swap_to(_mesa))
+register_handler(nn.MaxPool2d, 'pooling', swap_to(MesaMaxPool2d),
+                 lambda m: 'return_indices=True: the int64 indices are an output'
+                 if m.return_indices else None)
+register_handler(nn.ConvTranspose2d, 'conv_transpose2d', swap_to(MesaConvTranspose2d),
+                 conv_transpose_reason)
+register_handler(nn.GroupNorm, 'groupnorm', swap_to(MesaGroupNorm))
 
 
 def _convert_mha(module: nn.Module, config: MesaConfig) -> tuple[str, ...]:

@@ -1,0 +1,301 @@
+"""The other activations mmcv / mmseg build, each saving only what its backward needs.
+
+- Hardtanh / ReLU6, LeakyReLU, Hardsigmoid: their derivative is piecewise constant, so one bit per
+  element says which piece; the gradient is exact.
+- PReLU: the sign bit (input gradient, exact) and the quantized negative part of the input (the
+  only part the weight gradient reads).
+- SiLU (its input), Sigmoid and Tanh (their outputs): one quantized copy.
+- Hardswish: one bit for "inside (-3, 3)" and the quantized input clamped to [-3, 3] (outside,
+  the derivative is 0 or 1 and the clamped value's sign tells which).
+- ELU: the sign bit and the quantized negative part of the output (``alpha * exp(x) = y + alpha``).
+
+Bits are computed from the input before an in-place op overwrites it, with the comparisons torch's
+own backward makes. Quantized copies are grouped per channel: dim 1 for inputs with 4 or more dims
+(N, C, H, W), the last dim otherwise (tokens x channels).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import PackedMask, load, save
+from .base import MesaModule, autocast_cast, no_autocast_backward, sum_to
+
+
+def comparable(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as torch's activation backward kernels compare it: fp16/bf16 widened to fp32."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class MesaPiecewiseFunction(torch.autograd.Function):
+    """An activation whose derivative is ``inside`` where a 1-bit mask is set, else ``outside``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                region: Callable[[torch.Tensor], torch.Tensor], inside: float, outside: float,
+                inplace: bool) -> torch.Tensor:
+        mask = PackedMask.of(region(comparable(x)))  # before an in-place op changes x
+        if inplace:
+            ctx.mark_dirty(x)
+        y = activation(x)
+        ctx.factors = (inside, outside)
+        save(ctx, mask)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (mask,) = load(ctx)
+        inside, outside = ctx.factors
+        grad_in = grad if inside == 1.0 else grad * inside
+        grad_out = grad * outside if outside else torch.zeros_like(grad)
+        return torch.where(mask.unpack(), grad_in, grad_out), None, None, None, None, None
+
+
+class ChannelQuantized(MesaModule):
+    """A Mesa activation with one quantized copy, grouped per channel whatever the layout."""
+
+    mesa_quantizers = {'quant_channels': (1, None), 'quant_tokens': (-1, None)}
+
+    def saved_quantizer(self, x: torch.Tensor) -> ActivationQuantizer:
+        return self.quant_channels if x.dim() >= 4 else self.quant_tokens  # type: ignore[attr-defined]
+
+
+class MesaHardtanh(MesaModule, nn.Hardtanh):
+    """``nn.Hardtanh`` saving one bit per element (inside the pass-through range or not)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        lo, hi = self.min_val, self.max_val
+        return MesaPiecewiseFunction.apply(
+            x, lambda t: F.hardtanh(t, lo, hi, self.inplace),
+            lambda t: (t > lo) & (t < hi), 1.0, 0.0, self.inplace)
+
+
+class MesaReLU6(MesaHardtanh, nn.ReLU6):
+    """``nn.ReLU6`` (a Hardtanh on [0, 6]) saving one bit per element."""
+
+
+class MesaLeakyReLU(MesaModule, nn.LeakyReLU):
+    """``nn.LeakyReLU`` saving the sign bit of its input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        slope = self.negative_slope
+        return MesaPiecewiseFunction.apply(
+            x, lambda t: F.leaky_relu(t, slope, self.inplace), lambda t: t > 0, 1.0, slope,
+            self.inplace)
+
+
+class MesaHardsigmoid(MesaModule, nn.Hardsigmoid):
+    """``nn.Hardsigmoid`` saving one bit per element (inside (-3, 3) or not)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaPiecewiseFunction.apply(
+            x, lambda t: F.hardsigmoid(t, self.inplace), lambda t: (t > -3) & (t < 3),
+            1.0 / 6.0, 0.0, self.inplace)
+
+
+def _silu_derivative(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+# name -> (save the output rather than the input, derivative from the saved value in fp32)
+_SMOOTH: dict[str, tuple[bool, Callable[[torch.Tensor], torch.Tensor]]] = {
+    'silu': (False, _silu_derivative),
+    'sigmoid': (True, lambda y: y * (1.0 - y)),
+    'tanh': (True, lambda y: 1.0 - y * y),
+}
+
+
+class MesaSmoothFunction(torch.autograd.Function):
+    """SiLU / Sigmoid / Tanh keeping one quantized copy (of the input or of the output)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                kind: str, inplace: bool, quantizer: ActivationQuantizer) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        ctx.kind = kind
+        from_output, _ = _SMOOTH[kind]
+        packed = None if from_output else quantizer.pack(x)
+        if inplace:
+            ctx.mark_dirty(x)
+        y = activation(x)
+        save(ctx, quantizer.pack(y) if from_output else packed)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (packed,) = load(ctx)
+        derivative = _SMOOTH[ctx.kind][1](unpack(packed, torch.float32))
+        return (grad.float() * derivative).to(ctx.input_dtype), None, None, None, None
+
+
+class MesaSiLU(ChannelQuantized, nn.SiLU):
+    """``nn.SiLU`` whose saved input is quantized per channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaSmoothFunction.apply(x, lambda t: F.silu(t, self.inplace), 'silu',
+                                        self.inplace, self.saved_quantizer(x))
+
+
+class MesaSigmoid(ChannelQuantized, nn.Sigmoid):
+    """``nn.Sigmoid`` whose saved output is quantized per channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaSmoothFunction.apply(x, torch.sigmoid, 'sigmoid', False,
+                                        self.saved_quantizer(x))
+
+
+class MesaTanh(ChannelQuantized, nn.Tanh):
+    """``nn.Tanh`` whose saved output is quantized per channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaSmoothFunction.apply(x, torch.tanh, 'tanh', False, self.saved_quantizer(x))
+
+
+class MesaHardswishFunction(torch.autograd.Function):
+    """Hardswish keeping ``-3 < x < 3`` as a bit and ``clamp(x, -3, 3)`` quantized.
+
+    Inside, the derivative ``x / 3 + 1/2`` is read from the quantized value; outside it is 0
+    (``x <= -3``) or 1 (``x >= 3``), as in torch's backward, told apart by the sign of the
+    clamped value, which quantization cannot flip (a step is at most 6 / 3 = 2 even at 2 bits).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, inplace: bool, quantizer: ActivationQuantizer
+                ) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        xf = comparable(x)
+        inside = PackedMask.of((xf > -3) & (xf < 3))
+        packed = quantizer.pack(x.detach().clamp(-3.0, 3.0))
+        if inplace:
+            ctx.mark_dirty(x)
+        y = F.hardswish(x, inplace)
+        save(ctx, inside, packed)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        inside, packed = load(ctx)
+        x = unpack(packed, torch.float32)
+        derivative = torch.where(inside.unpack(), x / 3.0 + 0.5, (x > 0).float())
+        return (grad.float() * derivative).to(ctx.input_dtype), None, None
+
+
+class MesaHardswish(ChannelQuantized, nn.Hardswish):
+    """``nn.Hardswish``: a bit per element plus the quantized input clamped to [-3, 3]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaHardswishFunction.apply(x, self.inplace, self.saved_quantizer(x))
+
+
+class MesaELUFunction(torch.autograd.Function):
+    """ELU keeping ``x > 0`` as a bit and the quantized negative part of the output.
+
+    For ``x <= 0`` the derivative is ``alpha * exp(x) = y + alpha``; for ``x > 0`` it is 1.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, alpha: float, inplace: bool,
+                quantizer: ActivationQuantizer) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        ctx.alpha = alpha
+        positive = comparable(x) > 0
+        if inplace:
+            ctx.mark_dirty(x)
+        y = F.elu(x, alpha, inplace)
+        negative_part = y.detach().masked_fill(positive, 0)
+        save(ctx, PackedMask.of(positive), quantizer.pack(negative_part))
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        positive, packed = load(ctx)
+        derivative = unpack(packed, torch.float32) + ctx.alpha
+        g = grad.float()
+        grad_x = torch.where(positive.unpack(), g, g * derivative)
+        return grad_x.to(ctx.input_dtype), None, None, None
+
+
+class MesaELU(ChannelQuantized, nn.ELU):
+    """``nn.ELU``: the sign bit plus the quantized negative part of its output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaELUFunction.apply(x, self.alpha, self.inplace, self.saved_quantizer(x))
+
+
+class MesaPReLUFunction(torch.autograd.Function):
+    """``F.prelu`` keeping the sign bit of x and, for the weight gradient, its negative part."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                quantizer: ActivationQuantizer) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        xc, wc = autocast_cast(x, weight)
+        with torch.autocast(ctx.device_type, enabled=False):
+            y = F.prelu(xc, wc)
+        ctx.compute_dtype = xc.dtype
+        positive = xc > 0
+        packed = (quantizer.pack(xc.detach().masked_fill(positive, 0))
+                  if ctx.needs_input_grad[1] else None)
+        save(ctx, PackedMask.of(positive), packed, weight)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        positive, packed, weight = load(ctx)
+        grad = grad.to(ctx.compute_dtype)
+        mask = positive.unpack()
+        # weight broadcasts along dim 1 (one per channel) or is a single value
+        shape = [1] * grad.dim()
+        if weight.numel() > 1:
+            shape[1] = weight.numel()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w = weight.to(ctx.compute_dtype).view(shape)
+            grad_x = torch.where(mask, grad, w * grad).to(ctx.input_dtype)
+        if ctx.needs_input_grad[1]:
+            negative = unpack(packed, torch.float32).masked_fill_(mask, 0)
+            grad_w = sum_to(grad.float() * negative, torch.Size(shape), weight.dtype)
+            grad_w = grad_w.reshape(weight.shape)
+        return grad_x, grad_w, None
+
+
+class MesaPReLU(MesaModule, nn.PReLU):
+    """``nn.PReLU``: exact input gradient from the sign bit; the weight gradient reads the
+    quantized negative part of the input (grouped per channel, dim 1)."""
+
+    mesa_quantizers = {'quant_negative': (1, None)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x, self.weight) or x.dim() < 2:
+            return super().forward(x)
+        return MesaPReLUFunction.apply(x, self.weight, self.quant_negative)

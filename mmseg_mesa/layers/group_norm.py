@@ -1,0 +1,79 @@
+"""GroupNorm saving its 8-bit normalized input and the exact 1/std of every (sample, group).
+
+Backward needs ``x_norm = (x - mean) / std`` and ``1/std`` per (sample, group). Quantizing the raw
+input and recomputing both from the dequantized values would multiply the quantization noise by
+``1/std``, which is large for a group whose spread is small next to its channels' range (the
+failure the fidelity issue found in LayerNorm). ``x_norm`` has unit spread in every group, so it
+quantizes equally well everywhere; ``1/std`` is kept exactly (4 bytes per sample and group). The
+dequantized ``x_norm`` is used as it is: re-standardizing it would blow a constant group's
+quantization noise (its ``x_norm`` is exactly 0) up to unit variance.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import load, save
+from .base import MesaModule, no_autocast_backward
+
+
+def grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(N, C, *)`` viewed as ``(N, G, C/G * prod(*))``."""
+    return x.reshape(x.shape[0], groups, -1)
+
+
+class MesaGroupNormFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float, quantizer: ActivationQuantizer
+                ) -> torch.Tensor:
+        ctx.device_type = x.device.type
+        ctx.input_dtype = x.dtype
+        ctx.num_groups = num_groups
+        y = F.group_norm(x, num_groups, weight, bias, eps)
+        with torch.no_grad():
+            xg = grouped(x.float(), num_groups)
+            var, mean = torch.var_mean(xg, dim=2, correction=0, keepdim=True)
+            rstd = torch.rsqrt(var + eps)
+            packed = quantizer.pack(((xg - mean) * rstd).view(x.shape))
+        save(ctx, packed, rstd, weight, bias)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        packed, rstd, weight, bias = load(ctx)
+        x_norm = unpack(packed, torch.float32)
+        g = grad.float()
+        channel_shape = [1, g.shape[1]] + [1] * (g.dim() - 2)
+        reduce_dims = [0] + list(range(2, g.dim()))
+        grad_x = grad_w = grad_b = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            grad_w = (g * x_norm).sum(reduce_dims).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[3]:
+            grad_b = g.sum(reduce_dims).to(bias.dtype)
+        if ctx.needs_input_grad[0]:
+            g_norm = g * weight.float().view(channel_shape) if weight is not None else g
+            gg, xg = grouped(g_norm, ctx.num_groups), grouped(x_norm, ctx.num_groups)
+            grad_x = rstd * (gg - gg.mean(2, keepdim=True)
+                             - xg * (gg * xg).mean(2, keepdim=True))
+            grad_x = grad_x.view(g.shape).to(ctx.input_dtype)
+        return grad_x, None, grad_w, grad_b, None, None
+
+
+class MesaGroupNorm(MesaModule, nn.GroupNorm):
+    """``nn.GroupNorm`` saving its normalized input (8 bits, per channel group of dim 1) and
+    the exact 1/std per (sample, group)."""
+
+    mesa_quantizers = {'quant_input': (1, None)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x, self.weight, self.bias) or x.dim() < 2:
+            return super().forward(x)
+        return MesaGroupNormFunction.apply(x, self.num_groups, self.weight, self.bias,
+                                           self.eps, self.quant_input)

@@ -1,0 +1,77 @@
+"""tools/coverage.py: what Mesa leaves uncompressed, and who holds it."""
+import importlib.util
+import os.path as osp
+
+import pytest
+import torch
+from torch import nn
+
+from mmseg_mesa import convert_to_mesa
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+
+
+def _load_tool():
+    """tools/coverage.py by path: the name ``coverage`` may be taken by coverage.py."""
+    spec = importlib.util.spec_from_file_location('mesa_coverage_tool',
+                                                  osp.join(ROOT, 'tools', 'coverage.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+coverage = _load_tool()
+
+
+class Exp(nn.Module):
+    def forward(self, x):
+        return x.exp()  # saves its output, in full precision
+
+
+def test_split_attributes_exactly_what_non_mesa_ops_save():
+    model = nn.Sequential(nn.Linear(32, 64), Exp(), nn.Linear(64, 8))
+    convert_to_mesa(model)
+    x = torch.randn(5, 32, requires_grad=True)
+    result = coverage.split_saved(model, lambda: [model(x)])
+    # Mesa's Linears save uint8 codes plus fp32 lower/scale per channel; exp keeps its output
+    mesa_bytes = 5 * 32 + 2 * 32 * 4 + 5 * 64 + 2 * 64 * 4
+    assert result['left_by_module'] == {'1': 5 * 64 * 4}
+    assert result['left_bytes'] == 5 * 64 * 4
+    assert result['saved_bytes'] == mesa_bytes + 5 * 64 * 4
+
+
+def test_functional_ops_outside_modules_count_as_left():
+    model = nn.Sequential(nn.Linear(8, 8))
+    convert_to_mesa(model)
+    y = torch.randn(3, 8, requires_grad=True)
+    result = coverage.split_saved(model, lambda: [torch.sigmoid(model(y))])
+    assert result['left_by_module'] == {'<functional>': 3 * 8 * 4}
+
+
+@pytest.fixture(scope='module')
+def mobilenet_v2():
+    """MobileNetV2 DeepLabV3+ (ReLU6 everywhere), before (without the issue-13 layer types) and
+    after."""
+    config = osp.join(osp.dirname(__import__('mmseg').__file__), '.mim', 'configs',
+                      'mobilenet_v2', 'mobilenet-v2-d8_deeplabv3plus_4xb4-160k_ade20k-512x512.py')
+    old_layers = ('[linear,conv2d,gelu,softmax,layernorm,matmul,batchnorm,relu,dropout,'
+                  'droppath,attention,loss]')
+    args = [config, '--size', '64', '64', '--batch', '2']
+    return coverage.main(args), coverage.main(args + ['--cfg-options', f'mesa.layers={old_layers}'])
+
+
+def test_mobilenet_v2_leaves_little_uncompressed(mobilenet_v2):
+    after, before = mobilenet_v2
+    for result in (after, before):
+        assert result['baseline_bytes'] > 0
+        assert sum(r['bytes'] for r in result['left_by_module']) == result['left_bytes']
+        assert sum(r['bytes'] for r in result['left_by_type']) == result['left_bytes']
+        assert 0 <= result['left_share'] < result['saved_ratio'] < 1
+    # without the new layers ReLU6 holds most of what is left; with them it is gone
+    assert before['left_by_type'][0]['type'] == 'ReLU6'
+    assert before['left_share'] > 0.1
+    assert after['left_share'] <= 0.03
+    assert 'ReLU6' not in {r['type'] for r in after['left_by_type']}
+    assert after['saved_ratio'] < before['saved_ratio']
+    text = coverage.format_result(after, top=5)
+    assert 'left uncompressed: ' in text and 'Dropout2d' in text  # what is left, by name

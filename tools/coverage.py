@@ -1,0 +1,197 @@
+"""What Mesa leaves uncompressed: the share of the baseline's saved bytes, and who holds it.
+
+    python tools/coverage.py CONFIG [--size H W] [--batch N] [--top K] [--json PATH]
+        [--cfg-options mesa.preset=max-saving ...]
+
+Builds the config's model (random weights, SyncBN reverted) and runs one training forward
+(``mode='loss'``) of the baseline and of its Mesa conversion (the config's ``mesa`` setting: the
+default preset for a plain mmseg config) on the same random batch, counting what autograd saves
+for backward (``mmseg_mesa.memory.count_saved_tensors``: storages once, Parameters excluded).
+Every saved storage is then sorted by who saved it: a Mesa autograd Function (a Mesa layer's
+compressed copy, mask or exact statistics; the recomputed loss's logits) or anything else: an op
+inside a module Mesa did not convert, or a functional op (also one inside a converted module's
+own forward, such as a decode head's resize). The second kind is "left uncompressed", attributed
+to the innermost module running when it was saved, by qualified name and type.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import os.path as osp
+import sys
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path.insert(0, osp.join(ROOT, 'tools'))
+
+from benchmark_memory import (  # noqa: E402
+    add_cfg_options,
+    build_model,
+    load_config,
+    make_batch,
+)
+
+FUNCTIONAL = '<functional>'
+
+
+def mesa_backward_names() -> set[str]:
+    """Class names of the backward nodes of every autograd Function mmseg_mesa defines."""
+    import mmseg_mesa  # noqa: F401  (imports every layer, so every Function is defined)
+    names, todo = set(), list(torch.autograd.Function.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.__module__.startswith('mmseg_mesa'):
+            names.add(f'{cls.__name__}Backward')
+    return names
+
+
+def mesa_saved_storages(outputs: list[torch.Tensor]) -> set[tuple[str, int]]:
+    """Storages saved by Mesa Functions in the graph that produced ``outputs`` (before backward)."""
+    from torch.autograd.function import BackwardCFunction
+
+    from mmseg_mesa.memory import storage_key
+    names = mesa_backward_names()
+    keys: set[tuple[str, int]] = set()
+    seen: set[int] = set()
+    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, BackwardCFunction) and type(node).__name__ in names:
+            keys.update(storage_key(t) for t in node.saved_tensors
+                        if t is not None and t.numel())
+        todo.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return keys
+
+
+def losses_of(result: dict) -> list[torch.Tensor]:
+    """The differentiable entries of mmseg's loss dict (mmengine sums those named '*loss*')."""
+    out = []
+    for name, value in result.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if 'loss' in name:
+            out.extend(v for v in values if isinstance(v, torch.Tensor) and v.requires_grad)
+    return out
+
+
+def module_types(model: torch.nn.Module) -> dict[str, str]:
+    """Qualified name -> type name, Mesa modules marked with the type they replaced."""
+    from mmseg_mesa import MesaModule
+    types = {}
+    for name, module in model.named_modules():
+        original = getattr(module, 'mesa_original_type', type(module).__name__)
+        types[name] = f'{original} (Mesa)' if isinstance(module, MesaModule) else original
+    types[FUNCTIONAL] = FUNCTIONAL
+    return types
+
+
+def split_saved(model: torch.nn.Module, forward: Callable[[], list[torch.Tensor]]) -> dict:
+    """Bytes saved while ``forward()`` runs, and those not saved by a Mesa Function, by the
+    qualified name of the innermost module that saved them."""
+    from mmseg_mesa.memory import count_saved_tensors
+    with count_saved_tensors(model) as saved:
+        outputs = forward()
+    mesa_keys = mesa_saved_storages(outputs)
+    left: Counter = Counter()
+    for key, (name, nbytes) in saved.storages.items():
+        if key not in mesa_keys:
+            left[name] += nbytes
+    del outputs
+    return dict(saved_bytes=saved.total_bytes, left_bytes=sum(left.values()),
+                left_by_module=dict(left))
+
+
+def training_forward(model: torch.nn.Module, batch: tuple) -> Callable[[], list[torch.Tensor]]:
+    def forward() -> list[torch.Tensor]:
+        torch.manual_seed(1)  # the same dropout / drop-path draws in every model
+        return losses_of(model(*batch, mode='loss'))
+
+    return forward
+
+
+def coverage(cfg: Any, size: tuple[int, int], batch_size: int) -> dict:
+    """Baseline and Mesa saved bytes, and what Mesa left uncompressed, by module and type."""
+    from mmseg_mesa import MesaConfig, convert_to_mesa
+    config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()  # a bad value fails here
+    base = build_model(cfg, 'cpu')
+    batch = make_batch(cfg, batch_size, size, 'cpu')
+    baseline = split_saved(base, training_forward(base, batch))
+    model = copy.deepcopy(base)
+    del base
+    report = convert_to_mesa(model, config=config)
+    mesa = split_saved(model, training_forward(model, batch))
+    types = module_types(model)
+    total = baseline['saved_bytes']
+    by_type: Counter = Counter()
+    for name, nbytes in mesa['left_by_module'].items():
+        by_type[types.get(name, '?')] += nbytes
+    modules = sorted(mesa['left_by_module'].items(), key=lambda kv: -kv[1])
+    return dict(
+        size=list(size), batch=batch_size, mesa=str(config),
+        baseline_bytes=total, mesa_bytes=mesa['saved_bytes'],
+        saved_ratio=mesa['saved_bytes'] / total, left_bytes=mesa['left_bytes'],
+        left_share=mesa['left_bytes'] / total,
+        left_by_type=[dict(type=t, bytes=b, share=b / total)
+                      for t, b in sorted(by_type.items(), key=lambda kv: -kv[1])],
+        left_by_module=[dict(name=n or '(model)', type=types.get(n, '?'), bytes=b,
+                             share=b / total) for n, b in modules],
+        unconverted=[dict(type=t, reason=r, count=c)
+                     for (t, r), c in sorted(report.left_by_reason().items())])
+
+
+def format_result(result: dict, top: int) -> str:
+    mb = 2 ** 20
+    lines = [f"{result['config']}  size={result['size']}  batch={result['batch']}",
+             f"mesa: {result['mesa']}",
+             f"saved for backward: baseline {result['baseline_bytes'] / mb:.1f} MB, "
+             f"Mesa {result['mesa_bytes'] / mb:.1f} MB ({result['saved_ratio']:.3f} of baseline)",
+             f"left uncompressed: {result['left_bytes'] / mb:.2f} MB = "
+             f"{result['left_share']:.3f} of the baseline's saved bytes",
+             '', 'Left uncompressed by module type ("(Mesa)": a converted module\'s own '
+             'functional ops):']
+    for row in result['left_by_type'][:top]:
+        lines.append(f"  {row['share']:7.3f}  {row['bytes'] / mb:9.2f} MB  {row['type']}")
+    lines += ['', f'Top {top} modules holding it:']
+    for row in result['left_by_module'][:top]:
+        lines.append(f"  {row['share']:7.3f}  {row['bytes'] / mb:9.2f} MB  {row['name']}"
+                     f"  [{row['type']}]")
+    if result['unconverted']:
+        lines += ['', 'Left unconverted (leaf modules):']
+        lines += [f"  {row['count']:5d} x {row['type']}: {row['reason']}"
+                  for row in result['unconverted']]
+    return '\n'.join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('config')
+    parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'),
+                        help="input size; defaults to the config's crop_size")
+    parser.add_argument('--batch', type=int, default=2)
+    parser.add_argument('--top', type=int, default=12, help='modules and types to list')
+    parser.add_argument('--json', help='write the result as JSON here')
+    add_cfg_options(parser)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    cfg = load_config(args.config, args.cfg_options)
+    size = tuple(args.size) if args.size else tuple(cfg.get('crop_size', (512, 512)))
+    result = dict(config=args.config, **coverage(cfg, size, args.batch))
+    print(format_result(result, args.top))
+    if args.json:
+        os.makedirs(osp.dirname(osp.abspath(args.json)), exist_ok=True)
+        with open(args.json, 'w') as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == '__main__':
+    main()
