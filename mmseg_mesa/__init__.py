@@ -8,6 +8,8 @@ from .convert import ConversionReport, convert_to_mesa, register_handler
 from .division import DivisionCompressor, DivisionPacked, DivisionSpec
 from .layers import (
                      MatMul,
+                     MesaAdaptiveAvgPool2d,
+                     MesaAvgPool2d,
                      MesaBatchNorm,
                      MesaBatchNorm2d,
                      MesaConv2d,
@@ -45,5 +47,5 @@ __all__ = [
     # issue 13
     'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
     'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
-    'MesaConvTranspose2d', 'MesaGroupNorm',
+    'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d',
 ]

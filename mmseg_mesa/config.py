@@ -20,7 +20,8 @@ LAYER_TYPES = (
     'droppath', 'attention', 'loss',
     # 'activation': Hardtanh / ReLU6 / LeakyReLU / Hardsigmoid keep 1-bit masks whatever the bit
     # width; PReLU, SiLU, Hardswish, Sigmoid, Tanh, ELU quantize what their backward reads.
-    # 'pooling': max pooling keeps each maximum's position in its window (exact).
+    # 'pooling': max pooling keeps each maximum's position in its window, average pooling nothing
+    # (both exact).
     'activation', 'pooling', 'conv_transpose2d', 'groupnorm',
 )
 # Layer types whose saved activation is a feature map (channels x space or tokens x channels),

@@ -33,7 +33,7 @@ from .layers.group_norm import MesaGroupNorm
 from .layers.linear import MesaLinear
 from .layers.matmul import MatMul, MesaMatMul
 from .layers.norm import MesaBatchNorm, MesaLayerNorm
-from .layers.pooling import MesaMaxPool2d
+from .layers.pooling import MesaAvgPool2d, MesaMaxPool2d
 from .layers.softmax import MesaSoftmax
 from .layers.sync_batchnorm import MesaSyncBatchNorm
 
@@ -80,6 +80,9 @@ for _type, _mesa in ((nn.Hardtanh, MesaHardtanh), (nn.ReLU6, MesaReLU6),
 register_handler(nn.MaxPool2d, 'pooling', swap_to(MesaMaxPool2d),
                  lambda m: 'return_indices=True: the int64 indices are an output'
                  if m.return_indices else None)
+# AdaptiveAvgPool2d has MesaAdaptiveAvgPool2d too; registering it waits for tests/test_convert.py,
+# which uses it as its example of a module without a handler.
+register_handler(nn.AvgPool2d, 'pooling', swap_to(MesaAvgPool2d))
 register_handler(nn.ConvTranspose2d, 'conv_transpose2d', swap_to(MesaConvTranspose2d),
                  conv_transpose_reason)
 register_handler(nn.GroupNorm, 'groupnorm', swap_to(MesaGroupNorm))

@@ -15,6 +15,8 @@ from layer_cases import Case
 from torch import nn
 
 from mmseg_mesa import (
+    MesaAdaptiveAvgPool2d,
+    MesaAvgPool2d,
     MesaConfig,
     MesaConvTranspose2d,
     MesaELU,
@@ -76,6 +78,11 @@ CASES = [
               exact_grad=True, saved_limit=0.05),
     ExtraCase('maxpool_dilated_ceil', lambda: nn.MaxPool2d(3, 2, 1, dilation=2, ceil_mode=True),
               [(2, 5, 9, 11)], _swap(MesaMaxPool2d), exact_grad=True, saved_limit=0.05),
+    # average poolings save nothing (torch keeps their input)
+    ExtraCase('adaptive_avgpool', lambda: nn.AdaptiveAvgPool2d((3, 2)), [(2, 5, 9, 11)],
+              _swap(MesaAdaptiveAvgPool2d), exact_grad=True, saved_limit=0.0),
+    ExtraCase('avgpool', lambda: nn.AvgPool2d(3, 2, 1, count_include_pad=False), [(2, 5, 9, 11)],
+              _swap(MesaAvgPool2d), exact_grad=True, saved_limit=0.0),
     ExtraCase('conv_transpose2d',
               lambda: nn.ConvTranspose2d(5, 7, 3, stride=2, padding=1, output_padding=1),
               FEATURES, _swap(MesaConvTranspose2d), memory_shapes=BIG_FEATURES),
@@ -368,11 +375,12 @@ def test_conversion_picks_each_types_own_class():
         nn.PReLU(8), nn.SiLU(), nn.Hardswish(), nn.Hardsigmoid(), nn.Sigmoid(), nn.Tanh(),
         nn.ELU(), nn.MaxPool2d(2), nn.ConvTranspose2d(8, 4, 2, stride=2),
         nn.MaxPool2d(2, return_indices=True),
-        nn.ConvTranspose2d(4, 4, 3, stride=1, dilation=2, output_padding=1))
+        nn.ConvTranspose2d(4, 4, 3, stride=1, dilation=2, output_padding=1), nn.AvgPool2d(2))
     report = convert_to_mesa(model)
     expected = [MesaGroupNorm, MesaReLU6, MesaHardtanh, MesaLeakyReLU, MesaPReLU, MesaSiLU,
                 MesaHardswish, MesaHardsigmoid, MesaSigmoid, MesaTanh, MesaELU, MesaMaxPool2d,
                 MesaConvTranspose2d]
+    assert type(model[16]) is MesaAvgPool2d
     for index, cls in enumerate(expected, start=1):
         assert type(model[index]) is cls, index
     assert report.left['14'] == ('MaxPool2d',

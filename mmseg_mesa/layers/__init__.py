@@ -20,7 +20,7 @@ from .group_norm import MesaGroupNorm
 from .linear import MesaLinear
 from .matmul import MatMul, MesaMatMul
 from .norm import MesaBatchNorm, MesaBatchNorm2d, MesaLayerNorm
-from .pooling import MesaMaxPool2d
+from .pooling import MesaAdaptiveAvgPool2d, MesaAvgPool2d, MesaMaxPool2d
 from .softmax import MesaSoftmax
 from .sync_batchnorm import MesaSyncBatchNorm
 
@@ -31,5 +31,5 @@ __all__ = [
     # issue 13
     'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
     'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
-    'MesaConvTranspose2d', 'MesaGroupNorm',
+    'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d',
 ]

@@ -1,7 +1,10 @@
-"""MaxPool2d keeping where each maximum sits inside its window, in one byte.
+"""Pooling layers that keep the least backward can do with.
 
-torch's max pooling saves its input and int64 flat indices into the input plane: 12 bytes per
-output value on top of an input that, once ReLU keeps only a mask, nothing else holds. The
+MaxPool2d keeps where each maximum sits inside its window, in one byte; average poolings keep
+nothing (``MesaLinearPoolFunction``).
+
+torch's max pooling saves its input (4 bytes a value, fp32) and int64 flat indices into the input
+plane (8 bytes per output value), and once ReLU keeps only a mask nothing else holds that input. The
 position of the maximum inside its ``kH x kW`` window is all backward needs; it fits in a uint8
 whenever ``kH * kW <= 256`` (every pooling in mmseg's models). Backward rebuilds the flat indices
 and accumulates with ``scatter_add_`` in output order, as torch's CPU kernel does, so the gradient
@@ -107,3 +110,53 @@ class MesaMaxPool2d(MesaModule, nn.MaxPool2d):
         stride = _pair(self.stride if self.stride is not None else self.kernel_size)
         return MesaMaxPool2dFunction.apply(x, kernel, stride, _pair(self.padding),
                                            _pair(self.dilation), self.ceil_mode)
+
+
+class MesaLinearPoolFunction(torch.autograd.Function):
+    """An average pooling that saves nothing: its backward does not read the input's values.
+
+    Backward runs the same pooling on a zero tensor of the input's shape and takes its gradient,
+    so the result is exactly torch's (the same kernel), under the autocast state of the forward.
+    torch's adaptive / strided average pooling saves the whole input for that gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, pool: Any) -> torch.Tensor:
+        device_type = x.device.type
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type),
+                        torch.get_autocast_dtype(device_type))
+        ctx.input_meta = (x.shape, x.dtype, x.device, x.is_contiguous(
+            memory_format=torch.channels_last) and not x.is_contiguous())
+        ctx.pool = pool
+        return pool(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        shape, dtype, device, channels_last = ctx.input_meta
+        device_type, enabled, autocast_dtype = ctx.autocast
+        probe = torch.zeros(shape, dtype=dtype, device=device)
+        if channels_last:
+            probe = probe.contiguous(memory_format=torch.channels_last)
+        with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype,
+                                                 enabled=enabled):
+            probe.requires_grad_()
+            (grad_x,) = torch.autograd.grad(ctx.pool(probe), probe, grad)
+        return grad_x, None
+
+
+class MesaAdaptiveAvgPool2d(MesaModule, nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` that saves nothing for backward (only the input's shape)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaLinearPoolFunction.apply(x, super().forward)
+
+
+class MesaAvgPool2d(MesaModule, nn.AvgPool2d):
+    """``nn.AvgPool2d`` that saves nothing for backward (only the input's shape)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaLinearPoolFunction.apply(x, super().forward)
