@@ -58,5 +58,16 @@ benchmark-kernels: env
 info: env
 	$(PY) -m mmseg_mesa.info
 
+# The GPU run (tools/gpu_check.sh; README "Checking on a GPU"). `make gpu-wheels` here fills
+# .gpu-wheels/ for the GPU machine, where `make gpu-check` runs it (no .venv there: python3);
+# `make gpu-check DRY_RUN=1` is its CPU dry run here, into work_dirs/gpu_check/.
+.PHONY: gpu-wheels gpu-check
+gpu-wheels:
+	bash tools/setup/prepare_gpu_wheels.sh
+
+gpu-check:
+	bash tools/gpu_check.sh $(if $(DRY_RUN),--dry-run --out work_dirs/gpu_check/out \
+	  --work work_dirs/gpu_check/work)
+
 clean-ext:
 	rm -f mmseg_mesa/_C*.so mmseg_mesa/_build_info.py $(VENV)/.stamp-pkg
