@@ -38,6 +38,8 @@ def test_split_attributes_exactly_what_non_mesa_ops_save():
     assert result['left_by_module'] == {'1': 5 * 64 * 4}
     assert result['left_bytes'] == 5 * 64 * 4
     assert result['saved_bytes'] == mesa_bytes + 5 * 64 * 4
+    # of Mesa's bytes, the per-channel lower / scale vectors are floating point
+    assert result['mesa_float_by_module'] == {'0': 2 * 32 * 4, '2': 2 * 64 * 4}
 
 
 def test_functional_ops_outside_modules_count_as_left():
@@ -67,6 +69,7 @@ def test_mobilenet_v2_leaves_little_uncompressed(mobilenet_v2):
         assert sum(r['bytes'] for r in result['left_by_module']) == result['left_bytes']
         assert sum(r['bytes'] for r in result['left_by_type']) == result['left_bytes']
         assert 0 <= result['left_share'] < result['saved_ratio'] < 1
+        assert result['left_share'] + result['mesa_float_share'] <= result['saved_ratio']
     # without the new layers ReLU6 holds most of what is left; with them it is gone
     assert before['left_by_type'][0]['type'] == 'ReLU6'
     assert before['left_share'] > 0.1

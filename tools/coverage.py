@@ -11,7 +11,9 @@ Every saved storage is then sorted by who saved it: a Mesa autograd Function (a 
 compressed copy, mask or exact statistics; the recomputed loss's logits) or anything else: an op
 inside a module Mesa did not convert, or a functional op (also one inside a converted module's
 own forward, such as a decode head's resize). The second kind is "left uncompressed", attributed
-to the innermost module running when it was saved, by qualified name and type.
+to the innermost module running when it was saved, by qualified name and type. Of the first kind,
+the floating-point storages (everything but codes, masks and window positions) are listed too:
+what Mesa keeps exactly on purpose.
 """
 from __future__ import annotations
 
@@ -52,13 +54,14 @@ def mesa_backward_names() -> set[str]:
     return names
 
 
-def mesa_saved_storages(outputs: list[torch.Tensor]) -> set[tuple[str, int]]:
-    """Storages saved by Mesa Functions in the graph that produced ``outputs`` (before backward)."""
+def mesa_saved_storages(outputs: list[torch.Tensor]) -> dict[tuple[str, int], bool]:
+    """Storages saved by Mesa Functions in the graph that produced ``outputs`` (before backward),
+    each with whether it is floating point (not codes, masks or indices)."""
     from torch.autograd.function import BackwardCFunction
 
     from mmseg_mesa.memory import storage_key
     names = mesa_backward_names()
-    keys: set[tuple[str, int]] = set()
+    keys: dict[tuple[str, int], bool] = {}
     seen: set[int] = set()
     todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
     while todo:
@@ -67,7 +70,7 @@ def mesa_saved_storages(outputs: list[torch.Tensor]) -> set[tuple[str, int]]:
             continue
         seen.add(id(node))
         if isinstance(node, BackwardCFunction) and type(node).__name__ in names:
-            keys.update(storage_key(t) for t in node.saved_tensors
+            keys.update((storage_key(t), t.is_floating_point()) for t in node.saved_tensors
                         if t is not None and t.numel())
         todo.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
     return keys
@@ -95,19 +98,24 @@ def module_types(model: torch.nn.Module) -> dict[str, str]:
 
 
 def split_saved(model: torch.nn.Module, forward: Callable[[], list[torch.Tensor]]) -> dict:
-    """Bytes saved while ``forward()`` runs, and those not saved by a Mesa Function, by the
-    qualified name of the innermost module that saved them."""
+    """Bytes saved while ``forward()`` runs; those not saved by a Mesa Function (``left``) and
+    the floating-point ones Mesa Functions saved (``mesa_float``), by the qualified name of the
+    innermost module that saved them."""
     from mmseg_mesa.memory import count_saved_tensors
     with count_saved_tensors(model) as saved:
         outputs = forward()
     mesa_keys = mesa_saved_storages(outputs)
     left: Counter = Counter()
+    mesa_float: Counter = Counter()
     for key, (name, nbytes) in saved.storages.items():
         if key not in mesa_keys:
             left[name] += nbytes
+        elif mesa_keys[key]:
+            mesa_float[name] += nbytes
     del outputs
     return dict(saved_bytes=saved.total_bytes, left_bytes=sum(left.values()),
-                left_by_module=dict(left))
+                left_by_module=dict(left), mesa_float_bytes=sum(mesa_float.values()),
+                mesa_float_by_module=dict(mesa_float))
 
 
 def training_forward(model: torch.nn.Module, batch: tuple) -> Callable[[], list[torch.Tensor]]:
@@ -134,6 +142,9 @@ def coverage(cfg: Any, size: tuple[int, int], batch_size: int) -> dict:
     by_type: Counter = Counter()
     for name, nbytes in mesa['left_by_module'].items():
         by_type[types.get(name, '?')] += nbytes
+    float_by_type: Counter = Counter()
+    for name, nbytes in mesa['mesa_float_by_module'].items():
+        float_by_type[types.get(name, '?')] += nbytes
     modules = sorted(mesa['left_by_module'].items(), key=lambda kv: -kv[1])
     return dict(
         size=list(size), batch=batch_size, mesa=str(config),
@@ -144,6 +155,10 @@ def coverage(cfg: Any, size: tuple[int, int], batch_size: int) -> dict:
                       for t, b in sorted(by_type.items(), key=lambda kv: -kv[1])],
         left_by_module=[dict(name=n or '(model)', type=types.get(n, '?'), bytes=b,
                              share=b / total) for n, b in modules],
+        mesa_float_bytes=mesa['mesa_float_bytes'],
+        mesa_float_share=mesa['mesa_float_bytes'] / total,
+        mesa_float_by_type=[dict(type=t, bytes=b, share=b / total)
+                            for t, b in sorted(float_by_type.items(), key=lambda kv: -kv[1])],
         unconverted=[dict(type=t, reason=r, count=c)
                      for (t, r), c in sorted(report.left_by_reason().items())])
 
@@ -156,6 +171,9 @@ def format_result(result: dict, top: int) -> str:
              f"Mesa {result['mesa_bytes'] / mb:.1f} MB ({result['saved_ratio']:.3f} of baseline)",
              f"left uncompressed: {result['left_bytes'] / mb:.2f} MB = "
              f"{result['left_share']:.3f} of the baseline's saved bytes",
+             f"kept by Mesa as floating point (exact statistics, quantization ranges, the "
+             f"recomputed loss's logits): {result['mesa_float_bytes'] / mb:.2f} MB = "
+             f"{result['mesa_float_share']:.3f}",
              '', 'Left uncompressed by module type ("(Mesa)": a converted module\'s own '
              'functional ops):']
     for row in result['left_by_type'][:top]:
@@ -164,6 +182,9 @@ def format_result(result: dict, top: int) -> str:
     for row in result['left_by_module'][:top]:
         lines.append(f"  {row['share']:7.3f}  {row['bytes'] / mb:9.2f} MB  {row['name']}"
                      f"  [{row['type']}]")
+    lines += ['', 'Kept by Mesa as floating point, by module type:']
+    for row in result['mesa_float_by_type'][:top]:
+        lines.append(f"  {row['share']:7.3f}  {row['bytes'] / mb:9.2f} MB  {row['type']}")
     if result['unconverted']:
         lines += ['', 'Left unconverted (leaf modules):']
         lines += [f"  {row['count']:5d} x {row['type']}: {row['reason']}"
