@@ -1,23 +1,38 @@
-"""Decode-head losses that keep only the low-resolution logits: gradients equal the unfused path."""
+"""Decode-head losses that keep only the low-resolution logits: the forward values equal the
+unfused path bit for bit; gradients equal it bit for bit (whole recomputation) or up to the order
+of float sums (banded cross-entropy)."""
 import copy
 
 import pytest
 import torch
 from mmengine.structures import PixelData
 from mmseg.models.decode_heads import FCNHead
+from mmseg.models.utils import resize
 from mmseg.structures import SegDataSample
 
+import mmseg_mesa.layers.banded_loss as banded_loss
 from mmseg_mesa import MesaConfig, convert_to_mesa
 from mmseg_mesa.memory import count_saved_tensors
 
+CE = 'mmseg.CrossEntropyLoss'
 LOSSES = {
-    'plain': dict(type='mmseg.CrossEntropyLoss', loss_weight=1.0),
-    'class_weight': dict(type='mmseg.CrossEntropyLoss', loss_weight=0.4,
-                         class_weight=[0.5, 1.0, 2.0, 1.5, 0.7]),
-    'avg_non_ignore': dict(type='mmseg.CrossEntropyLoss', avg_non_ignore=True),
-    'two_losses': [dict(type='mmseg.CrossEntropyLoss', loss_name='loss_ce'),
+    'plain': dict(type=CE, loss_weight=1.0),
+    'class_weight': dict(type=CE, loss_weight=0.4, class_weight=[0.5, 1.0, 2.0, 1.5, 0.7]),
+    'class_weight_non_ignore': dict(type=CE, class_weight=[0.5, 1.0, 2.0, 1.5, 0.7],
+                                    avg_non_ignore=True),
+    'avg_non_ignore': dict(type=CE, avg_non_ignore=True),
+    'loss_weight_sum': dict(type=CE, loss_weight=0.4, reduction='sum'),
+    'two_ce': [dict(type=CE, loss_name='loss_ce'),
+               dict(type=CE, loss_name='loss_ce_w', loss_weight=0.3, avg_non_ignore=True)],
+    'same_name': [dict(type=CE, loss_name='loss_ce'), dict(type=CE, loss_name='loss_ce',
+                                                           loss_weight=0.5)],
+    'two_losses': [dict(type=CE, loss_name='loss_ce'),
                    dict(type='mmseg.DiceLoss', loss_name='loss_dice', loss_weight=0.5)],
+    'ohem': dict(type=CE),
 }
+# Losses the banded path cannot compute exactly: recomputed whole, with the reason recorded.
+WHOLE = {'two_losses': 'DiceLoss is not a per-pixel cross-entropy',
+         'ohem': "OHEMPixelSampler weighs pixels by the whole batch's logits"}
 
 
 def samples(n=2, size=32, classes=5, ignore=True):
@@ -34,29 +49,94 @@ def samples(n=2, size=32, classes=5, ignore=True):
     return out
 
 
+def head_with(name, **kw):
+    extra = dict(sampler=dict(type='OHEMPixelSampler', thresh=0.7, min_kept=100)) \
+        if name == 'ohem' else {}
+    return FCNHead(in_channels=8, channels=8, num_convs=1, num_classes=5, dropout_ratio=0.0,
+                   loss_decode=LOSSES[name], **extra, **kw)
+
+
 @pytest.mark.parametrize('name', list(LOSSES))
-def test_gradients_equal_the_unfused_loss(name):
-    head = FCNHead(in_channels=8, channels=8, num_convs=1, num_classes=5, dropout_ratio=0.0,
-                   loss_decode=LOSSES[name])
+def test_losses_equal_the_unfused_loss(name, monkeypatch):
+    # one input row per band: every band boundary and halo is exercised
+    monkeypatch.setattr(banded_loss, 'BAND_ELEMENTS', 5 * 4 * 32)
+    head = head_with(name)
     ours = copy.deepcopy(head)
     report = convert_to_mesa(ours, config=MesaConfig(layers={'loss'}))
     assert list(report.converted) == ['']
+    assert ours.mesa_loss_blocker == WHOLE.get(name)
     # mmseg 1.2.2's cross_entropy indexes class_weight with every label, ignore_index included
-    # (an IndexError in mmseg itself), so that case runs without ignored pixels.
-    data = samples(ignore=name != 'class_weight')
-    logits = torch.randn(2, 5, 8, 8, requires_grad=True)
+    # (an IndexError in mmseg itself), so those cases run without ignored pixels.
+    data = samples(ignore='class_weight' not in name)
+    logits = torch.randn(2, 5, 8, 8, generator=torch.Generator().manual_seed(1)) * 3
+    logits.requires_grad_()
     logits2 = logits.detach().clone().requires_grad_()
     expected = head.loss_by_feat(logits, data)
     got = ours.loss_by_feat(logits2, data)
-    assert expected.keys() == got.keys()
+    assert list(expected) == list(got)
     for key in expected:
-        assert torch.equal(expected[key], got[key]), key
+        assert expected[key].dtype == got[key].dtype
+        assert torch.equal(expected[key], got[key]), key  # the forward is exact either way
     assert not got['acc_seg'].requires_grad
     total = sum(v for k, v in expected.items() if 'loss' in k)
     total_ours = sum(v for k, v in got.items() if 'loss' in k)
     total.backward()
     total_ours.backward()
-    assert torch.equal(logits.grad, logits2.grad)  # same ops, same order: bit-identical
+    if name in WHOLE:
+        assert torch.equal(logits.grad, logits2.grad)  # same ops, same order: bit-identical
+    else:
+        # the halo rows of two bands sum their contributions in two parts: fp32 rounding only
+        scale = logits.grad.abs().max()
+        assert (logits.grad - logits2.grad).abs().max() <= 1e-6 * scale
+        assert not torch.equal(logits.grad, torch.zeros_like(logits.grad))
+
+
+@pytest.mark.parametrize('in_size, out_size', [
+    ((8, 8), (32, 32)), ((16, 12), (128, 96)), ((16, 8), (128, 64)), ((7, 5), (56, 40)),
+    ((5, 9), (10, 18)), ((8, 8), (24, 24)), ((9, 8), (32, 32)), ((6, 6), (6, 6)),
+    ((32, 32), (128, 128)), ((16, 24), (64, 96))])
+@pytest.mark.parametrize('align_corners', [False, True])
+@pytest.mark.parametrize('channels', [7, 3])
+def test_bands_are_bit_identical_to_mmseg_resize(in_size, out_size, align_corners, channels):
+    logits = torch.randn(3, channels, *in_size)
+    full = resize(logits, size=out_size, mode='bilinear', align_corners=align_corners)
+    by_rows = banded_loss.rows_bandable(logits, out_size, align_corners)
+    bands = banded_loss.plan_bands(3, channels, in_size, out_size, by_rows, band_elements=1)
+    covered = torch.zeros(3, out_size[0], dtype=torch.int)
+    for band in bands:
+        up = banded_loss._upsampled(banded_loss._source(logits, band), band, out_size[1],
+                                    align_corners)
+        assert torch.equal(up, full[band.image:band.image + 1, :, band.out_start:band.out_stop])
+        covered[band.image, band.out_start:band.out_stop] += 1
+    assert (covered == 1).all()
+    factor = out_size[0] // in_size[0]
+    expect_rows = (not align_corners and channels != 3 and out_size[0] == factor * in_size[0]
+                   and factor & (factor - 1) == 0 and sum(out_size) > 128)
+    assert by_rows is expect_rows
+    if not by_rows:
+        assert len(bands) == 3  # one band per image
+
+
+def test_banded_loss_bounds_the_full_resolution_transients(monkeypatch):
+    from torch.distributed._tools.mem_tracker import MemTracker
+    monkeypatch.setattr(banded_loss, 'BAND_ELEMENTS', 19 * 4 * 128 * 4)  # 4 input rows
+    head = FCNHead(in_channels=8, channels=8, num_convs=1, num_classes=19, dropout_ratio=0.0)
+    ours = copy.deepcopy(head)
+    convert_to_mesa(ours, config=MesaConfig(layers={'loss'}))
+    data = samples(size=128, classes=19)
+    peaks = {}
+    for name, module in (('unfused', head), ('banded', ours)):
+        logits = torch.randn(2, 19, 32, 32, requires_grad=True)
+        tracker = MemTracker()
+        tracker.track_external(logits, *[s.gt_sem_seg.data for s in data])
+        with tracker:
+            losses = module.loss_by_feat(logits, data)
+            losses['loss_ce'].backward()
+            del losses
+        peaks[name] = tracker.get_tracker_snapshot('peak')[logits.device]['Total']
+    full = 2 * 19 * 128 * 128 * 4  # one full-resolution logits tensor of the batch
+    assert peaks['unfused'] > 2 * full, (peaks, full)
+    assert peaks['banded'] < 0.25 * peaks['unfused'], (peaks, full)
 
 
 def test_only_low_resolution_logits_are_saved():
@@ -98,4 +178,5 @@ def test_heads_with_their_own_loss_are_left_with_a_reason():
     head = STDCHead(in_channels=8, channels=8, num_convs=1, num_classes=2, dropout_ratio=0.0,
                     boundary_threshold=0.1)
     report = convert_to_mesa(head, config=MesaConfig(layers={'loss', 'conv2d'}))
-    assert report.left[''] == ('STDCHead', 'STDCHead has its own loss_by_feat')
+    kind, reason = report.left['']
+    assert kind == 'STDCHead' and 'STDCHead' in reason and 'loss_by_feat' in reason

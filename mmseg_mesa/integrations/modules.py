@@ -5,16 +5,26 @@
   Dropout children are converted by their own handlers.
 - mmcv's ``DropPath`` becomes ``MesaDropPath`` (one saved bit per sample).
 - Decode heads using ``BaseDecodeHead.loss_by_feat`` (UPerHead, FCNHead, ...) become
-  ``MesaDecodeHead``: the upsampling + losses run through ``RecomputedLoss``, exactly.
+  ``MesaDecodeHead``: per-pixel cross-entropies are computed band by band
+  (``layers.banded_loss``) and reduced once as mmseg reduces them; other losses (Dice, Lovasz,
+  a pixel sampler) run whole through ``RecomputedLoss``, and the log says why. Both are exact.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from mmcv.cnn.bricks.drop import DropPath
+from mmengine.logging import print_log
 from mmseg.models.backbones.swin import WindowMSA
 from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+from mmseg.models.losses import CrossEntropyLoss
+from mmseg.models.losses.cross_entropy_loss import cross_entropy
+from mmseg.models.losses.utils import weight_reduce_loss
+from torch import nn
 
 from ..config import MesaConfig
+from ..layers.banded_loss import BandedLossSpec, PixelCrossEntropy, banded_cross_entropy
 from ..layers.base import MesaModule
 from ..layers.dropout import MesaDropPathFunction
 from ..layers.matmul import MesaMatMul
@@ -64,15 +74,98 @@ class MesaDropPath(MesaModule, DropPath):
         return MesaDropPathFunction.apply(x, self.drop_prob)
 
 
+def head_losses(head: BaseDecodeHead) -> list[nn.Module]:
+    return list(head.loss_decode) if isinstance(head.loss_decode, nn.ModuleList) else [
+        head.loss_decode]
+
+
+def banded_loss_blocker(head: BaseDecodeHead) -> str | None:
+    """Why ``head``'s losses cannot be computed band by band (None: they can)."""
+    if head.sampler is not None:
+        return f'{type(head.sampler).__name__} weighs pixels by the whole batch\'s logits'
+    for loss in head_losses(head):
+        if type(loss) is not CrossEntropyLoss:
+            return f'{type(loss).__name__} is not a per-pixel cross-entropy'
+        if loss.use_sigmoid or loss.use_mask or loss.cls_criterion is not cross_entropy:
+            return 'CrossEntropyLoss with use_sigmoid/use_mask is not banded'
+    return None
+
+
+def reduce_cross_entropy(loss: CrossEntropyLoss, pixel: torch.Tensor, label: torch.Tensor,
+                         ignore_index: int, score_dtype: torch.dtype) -> torch.Tensor:
+    """``loss(resized_logits, label, ignore_index=...)`` from its per-pixel values ``pixel``.
+
+    The steps of mmseg 1.2.2's ``CrossEntropyLoss.forward`` / ``cross_entropy`` after
+    ``F.cross_entropy(reduction='none')`` (tests hold it to mmseg's result bit for bit).
+    """
+    class_weight = None
+    if loss.class_weight is not None:
+        class_weight = torch.tensor(loss.class_weight, dtype=score_dtype, device=pixel.device)
+    avg_factor = None
+    if loss.reduction == 'mean':
+        if class_weight is None:
+            avg_factor = label.numel()
+            if loss.avg_non_ignore:
+                avg_factor -= (label == ignore_index).sum().item()
+        else:
+            label_weights = torch.stack([class_weight[cls] for cls in label]).to(
+                device=class_weight.device)
+            if loss.avg_non_ignore:
+                label_weights[label == ignore_index] = 0
+            avg_factor = label_weights.sum()
+    return loss.loss_weight * weight_reduce_loss(pixel, weight=None, reduction=loss.reduction,
+                                                 avg_factor=avg_factor)
+
+
+def top1_accuracy(correct: torch.Tensor, label: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """mmseg's ``accuracy(logits, label, ignore_index=...)`` (top-1) from the correct-pixel map."""
+    valid = label != ignore_index
+    hits = correct[valid].float().sum(0, keepdim=True) + 1e-6
+    return hits.mul_(100.0 / (label[valid].numel() + 1e-6))
+
+
 class MesaDecodeHead(MesaModule, BaseDecodeHead):
-    """A decode head whose loss keeps only the low-resolution logits for backward."""
+    """A decode head whose loss keeps only the low-resolution logits for backward and never
+    holds the full-resolution logits of more than one band of rows of one image."""
+
+    def mesa_setup(self, config: MesaConfig) -> None:
+        super().mesa_setup(config)
+        self.mesa_loss_blocker = banded_loss_blocker(self)
+        if self.mesa_loss_blocker is not None:
+            print_log(f'{type(self).__name__}: loss recomputed whole, not in bands: '
+                      f'{self.mesa_loss_blocker}', logger='current', level=logging.INFO)
 
     def loss_by_feat(self, seg_logits: torch.Tensor, batch_data_samples: list) -> dict:
         if not self.mesa_active(seg_logits):
             return super().loss_by_feat(seg_logits, batch_data_samples)
+        if self.mesa_loss_blocker is None and seg_logits.dim() == 4 and len(seg_logits):
+            return self.banded_loss_by_feat(seg_logits, batch_data_samples)
         return recomputed_losses(
             lambda logits: super(MesaDecodeHead, self).loss_by_feat(logits, batch_data_samples),
             seg_logits)
+
+    def banded_loss_by_feat(self, seg_logits: torch.Tensor, batch_data_samples: list) -> dict:
+        """``BaseDecodeHead.loss_by_feat`` for per-pixel cross-entropies, band by band."""
+        def labels() -> torch.Tensor:
+            return self._stack_batch_gt(batch_data_samples).squeeze(1)
+
+        label = labels()
+        losses = head_losses(self)
+        spec = BandedLossSpec(
+            losses=tuple(PixelCrossEntropy(None if loss.class_weight is None else
+                                           tuple(float(w) for w in loss.class_weight))
+                         for loss in losses),
+            ignore_index=self.ignore_index, align_corners=bool(self.align_corners))
+        pixels, correct, score_dtype = banded_cross_entropy(seg_logits, label, spec, labels)
+        result: dict = {}
+        for loss, pixel in zip(losses, pixels):
+            value = reduce_cross_entropy(loss, pixel, label, self.ignore_index, score_dtype)
+            if loss.loss_name in result:
+                result[loss.loss_name] += value
+            else:
+                result[loss.loss_name] = value
+        result['acc_seg'] = top1_accuracy(correct, label, self.ignore_index)
+        return result
 
 
 def decode_head_check(head: BaseDecodeHead) -> str | None:
