@@ -1,14 +1,17 @@
-"""tools/coverage.py: what Mesa leaves uncompressed, and who holds it."""
+"""tools/coverage.py: what Mesa leaves uncompressed, and who holds it; MobileNetV2's acceptance."""
+import copy
 import importlib.util
 import os.path as osp
 
 import pytest
 import torch
+from mmseg_models import batch, build_model, total_loss
 from torch import nn
 
-from mmseg_mesa import convert_to_mesa
+from mmseg_mesa import MesaConfig, convert_to_mesa
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+MOBILENET_V2 = 'mobilenet_v2/mobilenet-v2-d8_deeplabv3plus_4xb4-160k_ade20k-512x512.py'
 
 
 def _load_tool():
@@ -54,8 +57,7 @@ def test_functional_ops_outside_modules_count_as_left():
 def mobilenet_v2():
     """MobileNetV2 DeepLabV3+ (ReLU6 everywhere), before (without the issue-13 layer types) and
     after."""
-    config = osp.join(osp.dirname(__import__('mmseg').__file__), '.mim', 'configs',
-                      'mobilenet_v2', 'mobilenet-v2-d8_deeplabv3plus_4xb4-160k_ade20k-512x512.py')
+    config = osp.join(osp.dirname(__import__('mmseg').__file__), '.mim', 'configs', MOBILENET_V2)
     old_layers = ('[linear,conv2d,gelu,softmax,layernorm,matmul,batchnorm,relu,dropout,'
                   'droppath,attention,loss]')
     args = [config, '--size', '64', '64', '--batch', '2']
@@ -78,3 +80,26 @@ def test_mobilenet_v2_leaves_little_uncompressed(mobilenet_v2):
     assert after['saved_ratio'] < before['saved_ratio']
     text = coverage.format_result(after, top=5)
     assert 'left uncompressed: ' in text and 'Dropout2d' in text  # what is left, by name
+
+
+def test_mobilenet_v2_converted_losses_exact_gradients_close():
+    """Issue 13's acceptance on MobileNetV2 DeepLabV3+ (random init, 64x64, batch 2, default
+    preset): the same losses bit for bit, whole-gradient relative error <= 0.02."""
+    reference = build_model(MOBILENET_V2)
+    reference.train()
+    model = copy.deepcopy(reference)
+    report = convert_to_mesa(model, config=MesaConfig())
+    assert report.converted_by_type()['ReLU6'] == 34
+    inputs, samples = batch(64)
+    losses = []
+    for net in (reference, model):
+        torch.manual_seed(1)
+        result = net(inputs, samples, mode='loss')
+        losses.append({k: v for k, v in result.items() if 'loss' in k})
+        total_loss(result).backward()
+    assert all(torch.equal(losses[0][k], losses[1][k]) for k in losses[0])
+    exact = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    got = dict(model.named_parameters())
+    error = sum((got[n].grad - g).double().pow(2).sum() for n, g in exact.items())
+    norm = sum(g.double().pow(2).sum() for g in exact.values())
+    assert (error / norm).sqrt() <= 0.02
