@@ -6,6 +6,7 @@ check_supported_versions()  # a clear error naming the range before any module n
 from .config import MesaConfig
 from .convert import ConversionReport, convert_to_mesa, register_handler
 from .division import DivisionCompressor, DivisionPacked, DivisionSpec
+from .handlers import register_openmmlab_handlers_if_installed
 from .layers import (
                      MatMul,
                      MesaAdaptiveAvgPool2d,
@@ -37,6 +38,8 @@ from .layers import (
                      MesaTanh,
 )
 from .quantizer import ActivationQuantizer, Packed, QuantSpec, pack, unpack
+
+register_openmmlab_handlers_if_installed()  # torch handlers register on import; these if installed
 
 __all__ = [
     'MesaConfig', 'ConversionReport', 'convert_to_mesa', 'register_handler', 'MesaModule',

@@ -1,55 +1,29 @@
 """``convert_to_mesa``: the one public conversion entry point, driven by a table of handlers.
 
-Handlers are looked up by module type along the MRO, so subclasses (mmcv's ``Linear`` wrapper,
-mmengine's ``_BatchNormXd``) find their base's handler. Conversion happens in place by class swap
-(see ``MesaModule.convert``): Parameters, buffers, names and the training flag are untouched.
+Handlers are looked up by module type along the MRO (``mmseg_mesa.registry``), so subclasses
+whose forward is the base's (mmengine's ``_BatchNormXd``) find their base's handler, and those
+that override it are left with the reason. Conversion happens in place by class swap (see
+``MesaModule.convert``): Parameters, buffers, names and the training flag are untouched.
 """
 from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from .config import MesaConfig
 from .layers.base import MesaModule
 from .quantizer import ActivationQuantizer
+from .registry import Handler, find_handler, register_alias, register_handler, supported_types
+
+__all__ = ['ConversionReport', 'ModuleFilter', 'convert_to_mesa', 'register_alias',
+           'register_handler', 'supported_types']
 
 ModuleFilter = Callable[[nn.Module, str], bool]
-# convert(module, config) converts in place; it may return names (relative to the module) of
-# children it took care of itself, e.g. an attention's out_proj used through its weight.
-Converter = Callable[[nn.Module, MesaConfig], Iterable[str] | None]
-# check(module) returns why a module cannot be converted, or None.
-Checker = Callable[[nn.Module], str | None]
-
-
-@dataclass(frozen=True)
-class Handler:
-    layer_type: str
-    convert: Converter
-    check: Checker | None = None
-
-
-_HANDLERS: dict[type, Handler] = {}
-
-
-def register_handler(module_type: type, layer_type: str, convert: Converter,
-                     check: Checker | None = None) -> None:
-    """Add or replace the handler for ``module_type`` (and its subclasses without their own)."""
-    _HANDLERS[module_type] = Handler(layer_type, convert, check)
-
-
-def find_handler(module: nn.Module) -> Handler | None:
-    for cls in type(module).__mro__:
-        if cls in _HANDLERS:
-            return _HANDLERS[cls]
-    return None
-
-
-def supported_types() -> list[str]:
-    return sorted(t.__name__ for t in _HANDLERS)
 
 
 @dataclass
@@ -88,6 +62,8 @@ def _skip_reason(module: nn.Module, name: str, handler: Handler, config: MesaCon
         return f'layer type {handler.layer_type!r} not in config.layers'
     if module_filter_fn is not None and not module_filter_fn(module, name):
         return 'excluded by module_filter_fn'
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        return 'lazy module with uninitialized parameters (run one forward first)'
     return handler.check(module) if handler.check is not None else None
 
 
@@ -108,8 +84,6 @@ def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
         ValueError: if the model ends up with no Mesa module at all, since training it
             "with Mesa" would silently save nothing.
     """
-    from . import handlers  # noqa: F401  (registers the built-in table on first use)
-
     config = config or MesaConfig()
     report = ConversionReport()
     already = 0
@@ -121,13 +95,13 @@ def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
             continue
         if name in report.covered:
             continue
-        handler = find_handler(module)
+        handler, reason = find_handler(module)
         if handler is None:
             if not any(True for _ in module.children()):
                 report.left[name] = (type(module).__name__,
                                      f'no Mesa handler for {type(module).__name__}')
             continue
-        reason = _skip_reason(module, name, handler, config, module_filter_fn)
+        reason = reason or _skip_reason(module, name, handler, config, module_filter_fn)
         if reason is not None:
             report.left[name] = (type(module).__name__, reason)
             continue

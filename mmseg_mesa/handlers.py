@@ -1,7 +1,9 @@
 """The built-in handler table: which torch module becomes which Mesa module.
 
-mmcv / mmseg specific handlers (Swin attention, DropPath) are added from
-``mmseg_mesa.integrations.handlers`` when those packages are importable.
+Importing this module registers the torch handlers; mmcv / mmseg specific ones (Swin attention,
+DropPath, decode heads, functional attention) are added from ``mmseg_mesa.integrations.handlers``
+by ``register_openmmlab_handlers_if_installed`` when those packages are importable. ``convert``
+only reads the table (``registry``), so neither module imports the other.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .config import MesaConfig
-from .convert import Converter, register_handler
 from .layers.activation import MesaGELU, MesaReLU
 from .layers.activations_extra import (
     MesaELU,
@@ -25,7 +26,6 @@ from .layers.activations_extra import (
     MesaTanh,
 )
 from .layers.attention import MesaMultiheadAttention, unsupported_mha_reason
-from .layers.base import MesaModule
 from .layers.conv import MesaConv2d
 from .layers.conv_transpose import MesaConvTranspose2d, conv_transpose_reason
 from .layers.dropout import MesaDropout
@@ -36,15 +36,7 @@ from .layers.norm import MesaBatchNorm, MesaLayerNorm
 from .layers.pooling import MesaAvgPool2d, MesaMaxPool2d
 from .layers.softmax import MesaSoftmax
 from .layers.sync_batchnorm import MesaSyncBatchNorm
-
-
-def swap_to(mesa_cls: type[MesaModule]) -> Converter:
-    """A converter that class-swaps a module into ``mesa_cls`` and covers no children."""
-
-    def convert(module: nn.Module, config: MesaConfig) -> None:
-        mesa_cls.convert(module, config)
-
-    return convert
+from .registry import register_handler, swap_to
 
 
 def _conv_check(module: nn.Module) -> str | None:
@@ -62,7 +54,9 @@ def _dropout_check(module: nn.Module) -> str | None:
 
 
 register_handler(nn.Linear, 'linear', swap_to(MesaLinear))
-register_handler(nn.Conv2d, 'conv2d', swap_to(MesaConv2d), _conv_check)
+# MesaConv2d.forward calls F.conv2d itself, so an overridden _conv_forward would be lost too.
+register_handler(nn.Conv2d, 'conv2d', swap_to(MesaConv2d), _conv_check,
+                 replaces=('forward', '_conv_forward'))
 register_handler(nn.GELU, 'gelu', swap_to(MesaGELU))
 register_handler(nn.ReLU, 'relu', swap_to(MesaReLU))
 register_handler(nn.Softmax, 'softmax', swap_to(MesaSoftmax))
@@ -99,14 +93,15 @@ register_handler(NonDynamicallyQuantizableLinear, 'linear', swap_to(MesaLinear),
                            'compressed when the attention is converted')
 
 
-def _register_optional() -> None:
+def register_openmmlab_handlers_if_installed() -> None:
+    """Add the mmcv / mmseg handlers when both import (``mmseg_mesa/__init__`` calls this).
+
+    Without them plain torch models still convert; OpenMMLab modules are simply absent.
+    """
     try:
         import mmcv  # noqa: F401
         import mmseg  # noqa: F401
     except ImportError:
-        return  # plain torch models still convert; OpenMMLab modules are simply absent
+        return
     from .integrations.handlers import register_openmmlab_handlers
     register_openmmlab_handlers()
-
-
-_register_optional()

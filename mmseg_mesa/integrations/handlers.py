@@ -1,19 +1,64 @@
 """Handlers for mmcv / mmseg module types (registered when those packages import)."""
 from __future__ import annotations
 
-from ..convert import register_handler
-from ..handlers import swap_to
+from ..registry import register_alias, register_handler, swap_to
 
 
 def register_openmmlab_handlers() -> None:
+    from mmcv.cnn.bricks import wrappers
+    from mmcv.cnn.bricks.conv2d_adaptive_padding import Conv2dAdaptivePadding
+    from mmcv.cnn.bricks.conv_ws import ConvWS2d
     from mmcv.cnn.bricks.drop import DropPath
     from mmseg.models.backbones.swin import WindowMSA
     from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+    from torch import nn
 
+    from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .modules import MesaDecodeHead, MesaDropPath, MesaWindowMSA, decode_head_check
 
+    # mmcv's wrappers override forward only to special-case empty inputs on torch < 1.9
+    # (obsolete_torch_version); on the torch we support they call the base's forward.
+    for wrapper, base in ((wrappers.Linear, nn.Linear), (wrappers.Conv2d, nn.Conv2d),
+                          (wrappers.ConvTranspose2d, nn.ConvTranspose2d),
+                          (wrappers.MaxPool2d, nn.MaxPool2d)):
+        register_alias(wrapper, base)
+    register_handler(ConvWS2d, 'conv2d', swap_to(MesaConvWS2d))
+    register_handler(Conv2dAdaptivePadding, 'conv2d', swap_to(MesaConv2dAdaptivePadding))
     register_handler(WindowMSA, 'attention', swap_to(MesaWindowMSA))
     register_handler(DropPath, 'droppath', swap_to(MesaDropPath),
                      lambda m: None if 0.0 < m.drop_prob < 1.0 else
                      f'drop_prob={m.drop_prob} saves no mask')
-    register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead), decode_head_check)
+    register_functional_handlers()
+    # Heads override forward but not loss_by_feat, the one method the Mesa head replaces.
+    register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead), decode_head_check,
+                     replaces=('loss_by_feat',))
+
+
+def register_functional_handlers() -> None:
+    """Modules whose own forward calls matmul / softmax / products / F.linear functionally.
+
+    ``MesaFunctional`` wraps their forward (it replaces no method), so their subclasses (MAE's
+    attention, DANet's PAM, DNL's non-local block) are converted with their own forwards.
+    """
+    from mmcv.cnn.bricks.context_block import ContextBlock
+    from mmcv.cnn.bricks.non_local import NonLocal2d
+    from mmseg.models.backbones.beit import BEiTAttention, BEiTTransformerEncoderLayer
+    from mmseg.models.backbones.mscan import MSCAAttention, MSCABlock
+    from mmseg.models.backbones.twins import LocallyGroupedSelfAttention
+    from mmseg.models.decode_heads.apc_head import ACM
+    from mmseg.models.decode_heads.da_head import CAM
+    from mmseg.models.decode_heads.ham_head import Matrix_Decomposition_2D_Base
+    from mmseg.models.decode_heads.knet_head import KernelUpdateHead, KernelUpdator
+    from mmseg.models.decode_heads.ocr_head import SpatialGatherModule
+    from mmseg.models.utils.self_attention_block import SelfAttentionBlock
+
+    from ..layers.functional import MesaFunctional
+
+    attention = (BEiTAttention, LocallyGroupedSelfAttention, SelfAttentionBlock,
+                 SpatialGatherModule, CAM, ACM, Matrix_Decomposition_2D_Base, KernelUpdateHead,
+                 KernelUpdator, NonLocal2d, ContextBlock)
+    for module_type in attention:
+        register_handler(module_type, 'attention', swap_to(MesaFunctional), replaces=())
+    # layer scale (x * gamma) and gated convolutions (attn * u)
+    for module_type in (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock):
+        register_handler(module_type, 'product', swap_to(MesaFunctional), replaces=())

@@ -1,0 +1,227 @@
+"""Compressing what a module's *own* forward computes functionally (``q @ k``, ``softmax``, ...).
+
+mmseg's BEiT / MAE / Twins attention, OCR's context blocks and SegNeXt's gated convolutions call
+``torch.matmul``, ``Tensor.softmax``, ``F.linear`` and element-wise products in their forward
+instead of through modules, so no module handler sees them. Rather than rewriting each forward,
+``MesaFunctional`` runs the module's own forward under a ``TorchFunctionMode`` that routes those
+calls, and only those made by this module itself (not by its child modules, which have handlers
+of their own), through Mesa's autograd Functions. Each Function computes the op exactly as torch
+does, so the forward is bit-identical; what is saved for backward is packed by the one quantizer.
+
+Each intercepted call gets quantizers of its own, keyed by its position in the forward (the k-th
+intercepted call), so the running estimates follow one call site across steps.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import load, save
+from .base import MesaModule, make_quantizer, no_autocast_backward, sum_to
+from .linear import MesaLinearFunction
+from .matmul import MesaMatMulFunction
+from .softmax import MesaSoftmaxFunction
+
+# An operand of an element-wise product this much smaller than the product (a layer-scale
+# vector, per-channel gates) is kept as it is: packing it would save nothing worth its cost.
+SMALL_OPERAND_FRACTION = 1 / 16
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
+            torch.Tensor.bmm}
+_SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax}
+_PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+_LINEARS = {F.linear}
+
+
+class MesaMulFunction(torch.autograd.Function):
+    """``a * b`` (broadcasting) saving each operand the other's gradient needs, packed when a
+    quantizer is given, as it is otherwise (Parameters, small gates)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor,
+                quant_a: ActivationQuantizer | None, quant_b: ActivationQuantizer | None
+                ) -> torch.Tensor:
+        ctx.device_type = a.device.type
+        ctx.a_meta = (a.shape, a.dtype)
+        ctx.b_meta = (b.shape, b.dtype)
+        y = torch.mul(a, b)
+        keep_b = ctx.needs_input_grad[0]  # d(a*b)/da needs b, and the other way round
+        keep_a = ctx.needs_input_grad[1]
+        saved_a = (quant_a.pack(a) if quant_a is not None else a) if keep_a else None
+        saved_b = (quant_b.pack(b) if quant_b is not None else b) if keep_b else None
+        save(ctx, saved_a, saved_b)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        saved_a, saved_b = load(ctx)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = sum_to(grad * _restore(saved_b, grad.dtype), *ctx.a_meta)
+        if ctx.needs_input_grad[1]:
+            grad_b = sum_to(grad * _restore(saved_a, grad.dtype), *ctx.b_meta)
+        return grad_a, grad_b, None, None
+
+
+def _restore(saved: Any, dtype: torch.dtype) -> torch.Tensor:
+    return saved.to(dtype) if isinstance(saved, torch.Tensor) else unpack(saved, dtype)
+
+
+def _is_activation(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and \
+        not isinstance(t, nn.Parameter)
+
+
+def _worth_packing(t: Any, other: Any) -> bool:
+    """An activation (not a Parameter) that is not tiny next to the product."""
+    if not _is_activation(t) or t.dim() == 0:
+        return False
+    out = torch.broadcast_shapes(t.shape, other.shape).numel()
+    return t.numel() > SMALL_OPERAND_FRACTION * out
+
+
+class _ChildDepth:
+    """Forward (pre-)hook on a child: counts running children, so calls they make are theirs.
+
+    An object rather than a closure so that ``copy.deepcopy`` of the model points the copy's
+    hooks at the copied parent.
+    """
+
+    def __init__(self, parent: nn.Module, step: int) -> None:
+        self.parent = parent
+        self.step = step
+
+    def __call__(self, *_: Any) -> None:
+        self.parent.mesa_child_depth += self.step
+
+
+class _Capture(TorchFunctionMode):
+    """Routes the owner's own matmuls, softmaxes, products and linears through Mesa Functions."""
+
+    def __init__(self, owner: MesaFunctional) -> None:
+        super().__init__()
+        self.owner = owner
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.owner.mesa_child_depth == 0:
+            routed = self._route(func, args, kwargs)
+            if routed is not None:
+                return routed
+        return func(*args, **kwargs)
+
+    def _site(self, kind: str, roles: dict[str, tuple[int, int | None]]
+              ) -> list[ActivationQuantizer] | None:
+        """Quantizers of the next call site, or None when its layer type is switched off."""
+        config = self.owner.mesa_config
+        if kind not in config.layers:
+            return None
+        self.calls += 1
+        sites = self.owner.mesa_sites
+        out = []
+        for role, (group_dim, group_size) in roles.items():
+            key = f'{self.calls}_{kind}_{role}'
+            if key not in sites:
+                sites[key] = make_quantizer(config.for_layer(kind), group_dim, group_size)
+            out.append(sites[key])
+        return out
+
+    def _route(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        if func in _MATMULS and len(args) == 2 and not kwargs:
+            a, b = args
+            if _is_activation(a) and _is_activation(b) and a.dim() >= 2 and b.dim() >= 2 \
+                    and (a.requires_grad or b.requires_grad):
+                site = self._site('matmul', {'a': (1, 1), 'b': (1, 1)})
+                if site is not None:
+                    return MesaMatMulFunction.apply(a, b, *site)
+        elif func in _SOFTMAXES:
+            x, dim = _softmax_args(func, args, kwargs)
+            if x is not None and x.requires_grad and x.dim() >= 2:
+                site = self._site('softmax', {'output': (1, 1)})
+                if site is not None:
+                    return MesaSoftmaxFunction.apply(x, dim, *site)
+        elif func in _PRODUCTS and len(args) == 2 and not kwargs:
+            return self._product(*args)
+        elif func in _LINEARS:
+            return self._linear(*args, **kwargs)
+        return None
+
+    def _product(self, a: Any, b: Any) -> torch.Tensor | None:
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
+                not (a.is_floating_point() and b.is_floating_point()) or \
+                not (a.requires_grad or b.requires_grad):
+            return None
+        pack_a = b.requires_grad and _worth_packing(a, b)  # a is saved for b's gradient
+        pack_b = a.requires_grad and _worth_packing(b, a)
+        if not (pack_a or pack_b):
+            return None
+        roles = {r: (_product_group_dim(t), 1) for r, t, p in (('a', a, pack_a), ('b', b, pack_b))
+                 if p}
+        site = self._site('product', roles)
+        if site is None:
+            return None
+        quantizers = iter(site)
+        return MesaMulFunction.apply(a, b, next(quantizers) if pack_a else None,
+                                     next(quantizers) if pack_b else None)
+
+    def _linear(self, input: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        if not (_is_activation(input) and (weight.requires_grad or input.requires_grad)):
+            return None
+        site = self._site('linear', {'input': (-1, None)})
+        if site is None:
+            return None
+        return MesaLinearFunction.apply(input, weight, bias, *site)
+
+
+def _softmax_args(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, int]:
+    """(input, dim) of a softmax call without ``dtype``, else (None, 0)."""
+    names = ('input', 'dim', '_stacklevel', 'dtype') if func is F.softmax else \
+        ('input', 'dim', 'dtype')
+    bound = dict(zip(names, args), **kwargs)
+    x, dim = bound.get('input', bound.get('self')), bound.get('dim')
+    if bound.get('dtype') is not None or not _is_activation(x) or dim is None:
+        return None, 0
+    return x, dim
+
+
+def _product_group_dim(t: torch.Tensor) -> int:
+    """Channels of NCHW feature maps (dim 1), else of token features (last dim)."""
+    return 1 if t.dim() == 4 else -1
+
+
+class MesaFunctional(MesaModule, nn.Module):
+    """Any module, its own functional matmuls / softmaxes / products / linears compressed.
+
+    The conversion wraps, not replaces, the module's forward (so a subclass's forward is kept
+    as it is). Calls made while one of its child modules runs are left to that child.
+    """
+
+    mesa_sites: nn.ModuleDict
+    mesa_child_depth: int
+
+    def mesa_setup(self, config: MesaConfig) -> None:
+        super().mesa_setup(config)
+        self.mesa_sites = nn.ModuleDict()
+        self.mesa_child_depth = 0
+        for child in self.children():
+            if child is not self.mesa_sites:
+                child.register_forward_pre_hook(_ChildDepth(self, 1))
+                child.register_forward_hook(_ChildDepth(self, -1))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not self.mesa_active(*tensors, *self.parameters(recurse=False)):
+            return super().forward(*args, **kwargs)
+        self.mesa_child_depth = 0
+        with _Capture(self):
+            return super().forward(*args, **kwargs)

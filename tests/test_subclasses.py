@@ -1,0 +1,253 @@
+"""Conversion never changes a forward: every subclass of a handled type, as installed.
+
+Every subclass of every type with a Mesa handler that torch, mmcv, mmengine or mmseg defines is
+either converted, with a forward bit-identical to the original on a random input, or left
+unconverted with the reason. A new release that adds a subclass overriding ``forward`` makes
+the static part fail only if our rule is wrong; a subclass our rule would convert but that this
+test cannot build fails loudly until the table below says how to build it.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import pkgutil
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from mmseg_mesa import MesaConfig, MesaModule, convert_to_mesa
+from mmseg_mesa.registry import handled_types, handler_for_type
+
+LIBRARIES = ('torch', 'mmcv', 'mmengine', 'mmseg')
+PACKAGES = ('torch.nn', 'torch.ao.nn', 'mmcv.cnn', 'mmcv.ops', 'mmengine.model', 'mmseg.models')
+
+
+def import_all() -> None:
+    """Import every submodule of the packages that define modules, so all subclasses exist."""
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        for name in PACKAGES:
+            package = importlib.import_module(name)
+            for info in pkgutil.walk_packages(package.__path__, f'{name}.'):
+                try:
+                    importlib.import_module(info.name)
+                except Exception:  # optional back ends (e.g. torch.nn.attention's flex kernels)
+                    continue
+
+
+def subclasses(cls: type) -> set[type]:
+    found = set()
+    for sub in cls.__subclasses__():
+        found |= {sub} | subclasses(sub)
+    return found
+
+
+def library_subclasses() -> list[type]:
+    """Subclasses of the types whose Mesa class replaces methods (``Handler.replaces``).
+
+    Handlers that replace nothing (``MesaFunctional`` wraps the module's own forward) keep any
+    subclass's forward by construction; tests/test_zoo.py runs each of them inside mmseg models.
+    """
+    import_all()
+    found = set()
+    for handled in handled_types():
+        handler, _ = handler_for_type(handled)
+        if handler is not None and handler.replaces:
+            found |= {handled} | subclasses(handled)
+    return sorted((c for c in found
+                   if c.__module__.split('.')[0] in LIBRARIES and not issubclass(c, MesaModule)),
+                  key=lambda c: f'{c.__module__}.{c.__qualname__}')
+
+
+CLASSES = library_subclasses()
+
+
+def seg_samples(n=2, size=16, classes=3):
+    from mmengine.structures import PixelData
+    from mmseg.structures import SegDataSample
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        sample = SegDataSample()
+        sample.gt_sem_seg = PixelData(data=torch.randint(0, classes, (1, size, size),
+                                                         generator=gen))
+        sample.set_metainfo(dict(img_shape=(size, size), pad_shape=(size, size)))
+        out.append(sample)
+    return out
+
+
+class LossOf(nn.Module):
+    """Runs a decode head's ``loss_by_feat`` (the one method its Mesa class replaces)."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, logits):
+        losses = self.head.loss_by_feat(logits, seg_samples())
+        return tuple(losses[k] for k in sorted(losses))
+
+
+def decode_head(cls):
+    """A head of ``cls`` with the attributes ``loss_by_feat`` reads (all set by
+    ``BaseDecodeHead.__init__``); heads whose constructor needs more than the base's arguments
+    get only the base's initialisation (their own __init__ builds layers loss_by_feat never
+    touches)."""
+    args = dict(in_channels=8, channels=8, num_classes=3)
+    try:
+        return cls(**args)
+    except (TypeError, ValueError, AssertionError):
+        from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+        head = cls.__new__(cls)  # TypeError for an abstract class: the test expects that
+        BaseDecodeHead.__init__(head, **args)
+        return head
+
+
+def lazy(cls):
+    return cls(6, 3) if 'Conv' in cls.__name__ else cls() if 'Norm' in cls.__name__ else cls(6)
+
+
+def no_args(cls):
+    return cls()
+
+
+# How to build one module of a handled family and a random input for it (None: found below).
+FAMILIES = {
+    'Linear': (lambda c: c(8, 6), lambda: [torch.randn(2, 5, 8)]),
+    'Conv2d': (lambda c: c(4, 6, 3, padding=1), lambda: [torch.randn(2, 4, 9, 7)]),
+    'ConvTranspose2d': (lambda c: c(4, 6, 3, stride=2), lambda: [torch.randn(2, 4, 5, 6)]),
+    'MaxPool2d': (lambda c: c(3, 2, 1), lambda: [torch.randn(2, 4, 9, 7)]),
+    'AvgPool2d': (lambda c: c(3, 2, 1), lambda: [torch.randn(2, 4, 9, 7)]),
+    'LayerNorm': (lambda c: c(8), lambda: [torch.randn(2, 5, 8)]),
+    'GroupNorm': (lambda c: c(2, 8), lambda: [torch.randn(2, 8, 4, 3)]),
+    '_BatchNorm': (lambda c: c(4), None),  # input rank from _check_input_dim
+    'Dropout': (lambda c: c(0.3), lambda: [torch.randn(2, 5, 8)]),
+    'MultiheadAttention': (lambda c: c(8, 2), lambda: [torch.randn(5, 2, 8)] * 3),
+    'WindowMSA': (lambda c: c(8, 2, (2, 2)), lambda: [torch.randn(3, 4, 8)]),
+    'DropPath': (lambda c: c(0.3), lambda: [torch.randn(4, 5, 8)]),
+    'MatMul': (no_args, lambda: [torch.randn(2, 3, 4), torch.randn(2, 4, 5)]),
+    'Softmax': (lambda c: c(dim=-1), lambda: [torch.randn(2, 3, 5, 5)]),
+    'PReLU': (lambda c: c(4), lambda: [torch.randn(2, 4, 5, 3)]),
+    'BaseDecodeHead': (decode_head, lambda: [torch.randn(2, 3, 4, 4)]),
+}
+ACTIVATIONS = ('GELU', 'ReLU', 'ReLU6', 'Hardtanh', 'LeakyReLU', 'SiLU', 'Hardswish',
+               'Hardsigmoid', 'Sigmoid', 'Tanh', 'ELU')
+
+
+def family_of(cls: type) -> str:
+    return next(base.__name__ for base in cls.__mro__
+                if base.__name__ in FAMILIES or base.__name__ in ACTIVATIONS)
+
+
+def build(cls: type) -> tuple[nn.Module, list[torch.Tensor]] | None:
+    """A module of ``cls`` and inputs for it; None for an abstract class (no input rank)."""
+    family = family_of(cls)
+    if 'Lazy' in cls.__name__:
+        return lazy(cls), []
+    make, inputs = FAMILIES.get(family, (no_args, lambda: [torch.randn(2, 4, 5, 3)]))
+    module = make(cls)
+    if inputs is None:
+        ranks = [r for r in range(2, 6) if _accepts(module, r)]
+        if not ranks:
+            return None
+        return module, [torch.randn(3, 4, *([5] * (ranks[0] - 2)))]
+    if family == 'BaseDecodeHead':
+        module = LossOf(module)
+    return module, inputs()
+
+
+def _accepts(bn, ndim) -> bool:
+    try:
+        bn._check_input_dim(torch.zeros([1] * ndim))
+    except (ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def test_every_handled_type_has_library_subclasses_enumerated():
+    names = {c.__name__ for c in CLASSES}
+    # the cases the rule exists for are found ...
+    assert {'Conv2dAdaptivePadding', 'ConvWS2d', 'ConvAWS2d', '_BatchNormXd', 'LazyLinear',
+            'UPerHead', 'FCNHead'} <= names
+    # ... and so are the handled bases themselves
+    assert {'Linear', 'Conv2d', 'LayerNorm', 'GELU', 'Softmax', 'BatchNorm2d'} <= names
+
+
+@pytest.mark.parametrize('cls', CLASSES, ids=lambda c: f'{c.__module__}.{c.__qualname__}')
+def test_subclass_is_converted_exactly_or_left_with_a_reason(cls):
+    handler, reason = handler_for_type(cls)
+    assert handler is not None
+    if reason is not None:
+        assert 'overrides' in reason and 'forward would be lost' in reason
+        return
+    if inspect.isabstract(cls):  # nothing of it can run: its subclasses are enumerated too
+        with pytest.raises(TypeError, match='abstract'):
+            build(cls)
+        return
+    built = build(cls)
+    if built is None:  # abstract: _check_input_dim raises for every input rank
+        with pytest.raises(NotImplementedError):
+            cls(4)._check_input_dim(torch.zeros(1, 4))
+        return
+    module, inputs = built
+    module.train()
+    if 'Lazy' in cls.__name__:
+        report = convert_to_mesa(nn.Sequential(module, nn.Linear(1, 1)))
+        assert report.left['0'][1] == ('lazy module with uninitialized parameters '
+                                       '(run one forward first)')
+        return
+    reference = copy.deepcopy(module)
+    holder = nn.Sequential(module, nn.Linear(1, 1))  # never "nothing to convert"
+    report = convert_to_mesa(holder, config=MesaConfig())
+    target = module.head if isinstance(module, LossOf) else module
+    if not isinstance(target, MesaModule):
+        name = '0.head' if isinstance(module, LossOf) else '0'
+        assert report.left[name][1], report.left  # left, and the report says why
+        return
+    torch.manual_seed(0)
+    expected = reference(*inputs)
+    torch.manual_seed(0)
+    got = module(*[x.clone().requires_grad_() for x in inputs])
+    expected, got = (o if isinstance(o, tuple) else (o,) for o in (expected, got))
+    assert len(expected) == len(got)
+    for a, b in zip(expected, got):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """As LayerNorm2d classes in the ecosystem do: normalize NCHW over channels."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def test_a_subclass_overriding_forward_is_left_and_keeps_its_forward():
+    model = nn.Sequential(ChannelsFirstLayerNorm(4), nn.Conv2d(4, 4, 1))
+    reference = copy.deepcopy(model)
+    report = convert_to_mesa(model)
+    assert report.left['0'] == ('ChannelsFirstLayerNorm', 'ChannelsFirstLayerNorm overrides '
+                                'forward of LayerNorm: its own forward would be lost')
+    x = torch.randn(2, 4, 3, 5)
+    assert torch.equal(model(x), reference(x))
+
+
+def test_mmcv_convs_with_their_own_forward_are_handled_exactly():
+    from mmcv.cnn.bricks.conv2d_adaptive_padding import Conv2dAdaptivePadding
+    from mmcv.cnn.bricks.conv_ws import ConvWS2d
+    for module in (Conv2dAdaptivePadding(4, 6, 3, stride=2), ConvWS2d(4, 6, 3, padding=1)):
+        reference = copy.deepcopy(module)
+        convert_to_mesa(nn.Sequential(module))
+        assert isinstance(module, MesaModule)
+        x = torch.randn(2, 4, 9, 8)
+        x2 = x.clone().requires_grad_()
+        y_ref = reference(x.requires_grad_())
+        y = module(x2)
+        assert torch.equal(y, y_ref)
+        grad = torch.randn(y.shape)
+        y_ref.backward(grad)
+        y.backward(grad)
+        for a, b in ((x.grad, x2.grad), (reference.weight.grad, module.weight.grad)):
+            assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0) > 0.999
