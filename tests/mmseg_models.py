@@ -14,6 +14,7 @@ from mmseg.utils import register_all_modules
 
 SWIN_T = 'swin/swin-tiny-patch4-window7-in1k-pre_upernet_8xb2-160k_ade20k-512x512.py'
 DEIT_S = 'vit/vit_deit-s16_upernet_8xb2-80k_ade20k-512x512.py'
+VIT_B_MLN = 'vit/vit_vit-b16_mln_upernet_8xb2-80k_ade20k-512x512.py'
 
 
 def upstream_config(name: str) -> Config:
@@ -21,16 +22,18 @@ def upstream_config(name: str) -> Config:
     return Config.fromfile(osp.join(osp.dirname(mmseg.__file__), '.mim', 'configs', name))
 
 
-def build_model(name: str, seed: int = 0) -> torch.nn.Module:
+def build_model(name: str, seed: int = 0, init_weights: bool = True) -> torch.nn.Module:
     """The config's model, randomly initialised (no pretrained download), SyncBN reverted as
-    mmengine does in single-process runs."""
+    mmengine does in single-process runs. ``init_weights=False`` keeps the construction-time
+    values (zero position embeddings and class tokens in mmseg's ViTs)."""
     register_all_modules()
     cfg = upstream_config(name)
     cfg.model.pretrained = None
     cfg.model.backbone.init_cfg = None
     torch.manual_seed(seed)
     model = revert_sync_batchnorm(MODELS.build(cfg.model))
-    model.init_weights()
+    if init_weights:
+        model.init_weights()
     return model
 
 

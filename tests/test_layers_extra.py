@@ -398,13 +398,14 @@ def test_layer_types_switch_the_new_layers():
     assert report.left['3'][1] == "layer type 'pooling' not in config.layers"
 
 
-def test_max_saving_uses_4_bit_codes_in_the_new_layers():
+def test_layer_bits_reach_the_new_layers():
     model = nn.Sequential(nn.SiLU(), nn.GroupNorm(2, 4), nn.ConvTranspose2d(4, 4, 2, stride=2),
                           nn.PReLU(4))
-    convert_to_mesa(model, config=MesaConfig.preset('max-saving'))
+    convert_to_mesa(model, config=MesaConfig(bits=4))
     quantizers = [model[0].quant_channels, model[0].quant_tokens, model[1].quant_input,
                   model[2].quant_input, model[3].quant_negative]
     assert all(q.spec.bits == 4 for q in quantizers)
+    assert MesaConfig.preset('max-saving').for_layer('groupnorm').bits == 4
     x = torch.randn(2, 4, 6, 6, requires_grad=True)
     model(x).sum().backward()
     assert torch.isfinite(x.grad).all()
