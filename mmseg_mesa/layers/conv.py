@@ -53,14 +53,15 @@ class MesaConv2dFunction(torch.autograd.Function):
         grad = grad.to(ctx.compute_dtype)
         w = weight.to(ctx.compute_dtype)
         grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            # first, so the decoded fp32 input is freed before grad_x (as large) is made
+            grad_w = torch.nn.grad.conv2d_weight(unpack(packed), w.shape, grad, *ctx.conv_args)
+            grad_w = grad_w.to(weight.dtype)
         if ctx.needs_input_grad[0]:
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, w, grad, *ctx.conv_args)
             if ctx.explicit_pad:
                 grad_x = unpad_grad(grad_x, *ctx.explicit_pad)
             grad_x = grad_x.to(ctx.input_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.nn.grad.conv2d_weight(unpack(packed), w.shape, grad, *ctx.conv_args)
-            grad_w = grad_w.to(weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 2, 3)).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None

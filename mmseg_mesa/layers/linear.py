@@ -34,12 +34,14 @@ class MesaLinearFunction(torch.autograd.Function):
         packed, weight = load(ctx)
         grad = grad.to(ctx.compute_dtype)
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad @ weight.to(ctx.compute_dtype)).to(ctx.input_dtype)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
+            # first, so the decoded fp32 input is freed before grad_x (as large) is made
             x = unpack(packed)
             grad_w = (grad_2d.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            del x
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight.to(ctx.compute_dtype)).to(ctx.input_dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad_2d.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None
