@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.mmseg_mesa)
-from .quantizer import rounding_generator
+from .rounding import rounding_generator
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TORCH_VERSION: str = _C.TORCH_VERSION
@@ -35,7 +35,7 @@ def quantize(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: in
     """uint8 codes shaped like ``x``, one per element (``quantize_reference``).
 
     Stochastic rounding draws from ``generator``, by default the same dedicated stream the
-    reference uses (``quantizer.rounding_generator``), so the model's own random stream is
+    reference uses (``rounding.rounding_generator``), so the model's own random stream is
     untouched either way.
     """
     if stochastic and generator is None:
