@@ -22,12 +22,16 @@ def upstream_config(name: str) -> Config:
     return Config.fromfile(osp.join(osp.dirname(mmseg.__file__), '.mim', 'configs', name))
 
 
-def build_model(name: str, seed: int = 0, init_weights: bool = True) -> torch.nn.Module:
+def build_model(name: str, seed: int = 0, init_weights: bool = True,
+                options: dict | None = None) -> torch.nn.Module:
     """The config's model, randomly initialised (no pretrained download), SyncBN reverted as
     mmengine does in single-process runs. ``init_weights=False`` keeps the construction-time
-    values (zero position embeddings and class tokens in mmseg's ViTs)."""
+    values (zero position embeddings and class tokens in mmseg's ViTs). ``options`` are merged
+    into the config as ``--cfg-options`` are (e.g. a smaller ``model.backbone.img_size``)."""
     register_all_modules()
     cfg = upstream_config(name)
+    if options:
+        cfg.merge_from_dict(options)
     cfg.model.pretrained = None
     cfg.model.backbone.init_cfg = None
     torch.manual_seed(seed)

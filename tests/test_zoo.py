@@ -1,0 +1,95 @@
+"""``mesa=True`` on mmseg's zoo: models whose attention and products are written functionally.
+
+Each upstream config is built at a small size: the converted model's losses are bit-identical to
+the unconverted one's, its whole gradient is close, and every module type that ``MesaFunctional``
+handles appears converted in one of these models (its forward wrapped, not rewritten).
+"""
+import copy
+import importlib.util
+import os.path as osp
+import sys
+
+import pytest
+import torch
+from mmseg_models import batch, build_model, total_loss
+
+from mmseg_mesa import convert_to_mesa
+from mmseg_mesa.integrations.handlers import functional_types
+
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+sys.path.insert(0, osp.join(ROOT, 'tools'))
+from gradient_fidelity import relative_error  # noqa: E402
+
+SMALL_VIT = {'model.backbone.img_size': (64, 64)}
+# name -> (config, options, size, largest uncompressed share or None)
+ZOO = {
+    'beit-b': ('beit/beit-base_upernet_8xb2-160k_ade20k-640x640.py', SMALL_VIT, 64, 0.03),
+    'twins-svt-s': ('twins/twins_svt-s_uperhead_8xb2-160k_ade20k-512x512.py', None, 64, 0.03),
+    'ocrnet-hr18s': ('ocrnet/ocrnet_hr18s_4xb4-80k_ade20k-512x512.py', None, 64, 0.03),
+    'segnext-t': ('segnext/segnext_mscan-t_1xb16-adamw-160k_ade20k-512x512.py', None, 64, None),
+    'danet': ('danet/danet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),
+    'apcnet': ('apcnet/apcnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),
+    'gcnet': ('gcnet/gcnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),
+    'nonlocal': ('nonlocal_net/nonlocal_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),
+}
+CONVERTED_TYPES: dict[str, set[str]] = {}
+
+
+def _coverage_tool():
+    spec = importlib.util.spec_from_file_location('mesa_coverage_tool',
+                                                  osp.join(ROOT, 'tools', 'coverage.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def step(model, data):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # drop path / dropout draw the same masks in both
+    losses = model(*data, mode='loss')
+    total_loss(losses).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return losses, grads
+
+
+@pytest.mark.parametrize('name', list(ZOO))
+def test_losses_bit_identical_gradients_close_nothing_large_left(name):
+    config, options, size, max_left = ZOO[name]
+    reference = build_model(config, options=options)
+    model = copy.deepcopy(reference)
+    report = convert_to_mesa(model)
+    CONVERTED_TYPES[name] = {src for src, _ in report.converted.values()}
+    data = batch(size, n=2)
+    ref_losses, exact = step(reference, data)
+    losses, grads = step(model, data)
+    for key, value in ref_losses.items():
+        assert torch.equal(value, losses[key]), key
+    assert relative_error(grads, exact) <= 0.02
+    if max_left is not None:
+        tool = _coverage_tool()
+        base = tool.split_saved(reference, tool.training_forward(reference, data))
+        mesa = tool.split_saved(model, tool.training_forward(model, data))
+        assert mesa['left_bytes'] <= max_left * base['saved_bytes'], mesa['left_by_module']
+
+
+def test_every_functional_handler_runs_in_a_zoo_model():
+    """Runs after the zoo tests in this file (they record what was converted)."""
+    assert len(CONVERTED_TYPES) == len(ZOO), 'run the whole file'
+    seen = set().union(*CONVERTED_TYPES.values())
+    for handled in functional_types():
+        # a handled type counts when it or one of its subclasses was converted (and run)
+        assert any(issubclass(t, handled) for t in _classes(seen)), handled.__name__
+
+
+def _classes(names: set[str]) -> set[type]:
+    """The module classes named ``names`` among those mmseg / mmcv define."""
+    import mmcv.cnn  # noqa: F401
+    import mmseg.models  # noqa: F401
+    found, todo = set(), [torch.nn.Module]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.__name__ in names and cls.__module__.startswith(('mmseg.', 'mmcv.')):
+            found.add(cls)
+    return found
