@@ -5,13 +5,13 @@ the unconverted one's, its whole gradient is close, and every module type that `
 handles appears converted in one of these models (its forward wrapped, not rewritten).
 """
 import copy
-import importlib.util
 import os.path as osp
 import sys
 
 import pytest
 import torch
 from mmseg_models import batch, build_model, total_loss
+from test_coverage import coverage as coverage_tool  # tools/coverage.py, loaded by path
 
 from mmseg_mesa import convert_to_mesa
 from mmseg_mesa.integrations.handlers import functional_types
@@ -33,14 +33,6 @@ ZOO = {
     'nonlocal': ('nonlocal_net/nonlocal_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),
 }
 CONVERTED_TYPES: dict[str, set[str]] = {}
-
-
-def _coverage_tool():
-    spec = importlib.util.spec_from_file_location('mesa_coverage_tool',
-                                                  osp.join(ROOT, 'tools', 'coverage.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def step(model, data):
@@ -67,7 +59,7 @@ def test_losses_bit_identical_gradients_close_nothing_large_left(name):
         assert torch.equal(value, losses[key]), key
     assert relative_error(grads, exact) <= 0.02
     if max_left is not None:
-        tool = _coverage_tool()
+        tool = coverage_tool
         base = tool.split_saved(reference, tool.training_forward(reference, data))
         mesa = tool.split_saved(model, tool.training_forward(model, data))
         assert mesa['left_bytes'] <= max_left * base['saved_bytes'], mesa['left_by_module']

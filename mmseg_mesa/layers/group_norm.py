@@ -19,6 +19,7 @@ from torch import nn
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
 from .base import MesaModule, no_autocast_backward
+from .norm import normalized, normalized_input_grad
 
 
 def grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -36,12 +37,9 @@ class MesaGroupNormFunction(torch.autograd.Function):
         ctx.input_dtype = x.dtype
         ctx.num_groups = num_groups
         y = F.group_norm(x, num_groups, weight, bias, eps)
-        with torch.no_grad():
-            xg = grouped(x.float(), num_groups)
-            var, mean = torch.var_mean(xg, dim=2, correction=0, keepdim=True)
-            rstd = torch.rsqrt(var + eps)
-            packed = quantizer.pack(((xg - mean) * rstd).view(x.shape))
-        save(ctx, packed, rstd, weight, bias)
+        x_norm, rstd = normalized(grouped(x, num_groups), 2, eps)
+        save(ctx, quantizer.pack(x_norm.view(x.shape)), rstd, weight, bias)
+        del x_norm
         return y
 
     @staticmethod
@@ -59,9 +57,8 @@ class MesaGroupNormFunction(torch.autograd.Function):
             grad_b = g.sum(reduce_dims).to(bias.dtype)
         if ctx.needs_input_grad[0]:
             g_norm = g * weight.float().view(channel_shape) if weight is not None else g
-            gg, xg = grouped(g_norm, ctx.num_groups), grouped(x_norm, ctx.num_groups)
-            grad_x = rstd * (gg - gg.mean(2, keepdim=True)
-                             - xg * (gg * xg).mean(2, keepdim=True))
+            grad_x = normalized_input_grad(grouped(g_norm, ctx.num_groups),
+                                           grouped(x_norm, ctx.num_groups), rstd, 2)
             grad_x = grad_x.view(g.shape).to(ctx.input_dtype)
         return grad_x, None, grad_w, grad_b, None, None
 

@@ -13,6 +13,24 @@ from ..saved import load, save
 from .base import MesaModule, no_autocast_backward
 
 
+def normalized(x: torch.Tensor, dims: tuple[int, ...] | int, eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x - mean) * rstd`` in fp32 and the exact ``rstd`` over ``dims`` (what LayerNorm and
+    GroupNorm keep for backward), computed without grad and with one full-size temporary."""
+    with torch.no_grad():
+        var, mean = torch.var_mean(x.float(), dim=dims, correction=0, keepdim=True)
+        rstd = torch.rsqrt(var + eps)
+        return (x - mean).mul_(rstd), rstd  # fp32 by type promotion
+
+
+def normalized_input_grad(g_norm: torch.Tensor, x_norm: torch.Tensor, rstd: torch.Tensor,
+                          dims: tuple[int, ...] | int) -> torch.Tensor:
+    """Input gradient of a normalization over ``dims`` from the gradient of its normalized
+    output (``g_norm``, the weight already applied), the normalized input and the exact 1/std."""
+    return rstd * (g_norm - g_norm.mean(dims, keepdim=True)
+                   - x_norm * (g_norm * x_norm).mean(dims, keepdim=True))
+
+
 class MesaLayerNormFunction(torch.autograd.Function):
     """``F.layer_norm`` saving the packed *normalized* input and the exact 1/std of each token.
 
@@ -34,13 +52,9 @@ class MesaLayerNormFunction(torch.autograd.Function):
         ctx.input_dtype = x.dtype
         ctx.norm_dims = tuple(range(-len(normalized_shape), 0))
         y = F.layer_norm(x, normalized_shape, weight, bias, eps)
-        with torch.no_grad():
-            var, mean = torch.var_mean(x.float(), dim=ctx.norm_dims, correction=0, keepdim=True)
-            rstd = torch.rsqrt(var + eps)
-            x_norm = (x - mean).mul_(rstd)  # fp32 (type promotion), one temporary
-            packed = quantizer.pack(x_norm)
-            del x_norm
-        save(ctx, packed, rstd, weight, bias)
+        x_norm, rstd = normalized(x, ctx.norm_dims, eps)
+        save(ctx, quantizer.pack(x_norm), rstd, weight, bias)
+        del x_norm
         return y
 
     @staticmethod
@@ -59,9 +73,7 @@ class MesaLayerNormFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             g_norm = g * weight.float() if weight is not None else g
-            grad_x = rstd * (g_norm - g_norm.mean(dims, keepdim=True)
-                             - x_norm * (g_norm * x_norm).mean(dims, keepdim=True))
-            grad_x = grad_x.to(ctx.input_dtype)
+            grad_x = normalized_input_grad(g_norm, x_norm, rstd, dims).to(ctx.input_dtype)
         return grad_x, None, grad_w, grad_b, None, None
 
 
