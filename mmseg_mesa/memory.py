@@ -1,14 +1,17 @@
-"""Measuring activation memory: bytes of tensors autograd saves for backward.
+"""Measuring memory: bytes autograd saves for backward, and the peak of a whole training step.
 
-On CPU this is the honest measure of what Mesa changes (allocator peaks are not observable);
-storages are counted once however many tensors view them, and Parameters are excluded because
-they are not activations. Every Mesa layer saves through ``ctx.save_for_backward``, so the hooks
-see its packed data.
+``count_saved_tensors``: what autograd keeps for backward (storages counted once, Parameters
+excluded). Every Mesa layer saves through ``ctx.save_for_backward``, so the hooks see its packed
+data. ``track_step_peak``: the peak tensor memory of one training step (forward, backward,
+optimizer step) as torch's ``MemTracker`` follows every storage (a TorchDispatchMode; it works on
+CPU, where allocator statistics do not exist), by category at the peak and where it happened.
+This is the number a GPU runs out at: it also holds weights, gradients, optimizer state and every
+transient tensor.
 """
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -85,3 +88,83 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
     finally:
         for handle in handles:
             handle.remove()
+
+
+@dataclass
+class StepPeak:
+    """The peak tensor memory of one training step.
+
+    Attributes:
+        peak_bytes: The largest total of live tensor bytes during the step.
+        by_category: MemTracker's categories at that moment (Parameter, Gradient, Optstate,
+            Activation: created in forward, Temp: created in backward, Buffer, Other).
+        phase: ``'forward'``, ``'backward'`` or ``'optimizer'``: where the peak was reached.
+        module: The innermost module running at the peak, by its name in the model
+            (``'<model>'``: the model itself, outside its children; ``''``: outside the model).
+        phase_peaks: The peak of each phase: ``forward``, ``backward`` (forward included: the
+            largest total up to the end of backward) and ``optimizer`` (the step and
+            ``zero_grad``, with the gradients and optimizer state it starts from).
+    """
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    phase: str
+    module: str
+    phase_peaks: dict[str, int]
+
+
+def track_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    loss_fn: Callable[[], torch.Tensor], *external: torch.Tensor) -> StepPeak:
+    """Run ``loss_fn().backward()``, ``optimizer.step()`` and ``zero_grad`` under MemTracker.
+
+    Args:
+        model: The model (its Parameters, buffers and gradients are followed).
+        optimizer: Its optimizer; run a warm-up step first so its state exists, as in training.
+        loss_fn: Runs the forward pass and returns the scalar loss.
+        external: Other live tensors to count (the input batch).
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *external)
+    with tracker:
+        loss = loss_fn()
+        after_forward = _tracked_peak(tracker)
+        loss.backward()
+        del loss
+    backward_peak = _tracked_peak(tracker)
+    # The optimizer step in a tracker of its own, so that its peak is known on its own.
+    step_tracker = MemTracker()
+    step_tracker.track_external(model, optimizer, *external)
+    with step_tracker:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    optimizer_peak = _tracked_peak(step_tracker)
+    phase_peaks = dict(forward=after_forward, backward=backward_peak, optimizer=optimizer_peak)
+    if optimizer_peak > backward_peak:
+        phase, peak, source = 'optimizer', optimizer_peak, step_tracker
+    else:
+        phase = 'forward' if after_forward == backward_peak else 'backward'
+        peak, source = backward_peak, tracker
+    device = next(iter(source.get_tracker_snapshot('peak')))
+    snapshot = source.get_tracker_snapshot('peak')[device]
+    module, depth = '', -1
+    root = type(model).__name__
+    expected = 'PEAK_FW' if phase == 'forward' else 'PEAK_BW'
+    for stats in tracker.memory_tracking.values() if phase != 'optimizer' else ():
+        for state, snaps in stats.snapshots.items():
+            top = max((snap[device]['Total'] for snap in snaps if device in snap), default=0)
+            name_depth = stats.mod_fqn.count('.')
+            if state.name == expected and top == peak and name_depth > depth:
+                module, depth = stats.mod_fqn, name_depth
+    if module == root:
+        module = '<model>'
+    elif module.startswith(root + '.'):
+        module = module[len(root) + 1:]
+    by_category = {getattr(key, 'value', str(key)): value for key, value in snapshot.items()
+                   if getattr(key, 'value', key) != 'Total' and value}
+    return StepPeak(peak, by_category, phase, module, phase_peaks)
+
+
+def _tracked_peak(tracker: object) -> int:
+    peaks = tracker.get_tracker_snapshot('peak')  # type: ignore[attr-defined]
+    return sum(snap['Total'] for snap in peaks.values())

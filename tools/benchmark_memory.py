@@ -1,20 +1,29 @@
-"""Activation memory and step time of one mmseg config with and without Mesa, side by side.
+"""Peak memory, activation memory and step time of one mmseg config with and without Mesa.
 
     python tools/benchmark_memory.py [CONFIG] [--modes baseline mesa ...] [--batch 2]
         [--size 512 512] [--device cpu|cuda] [--iters N] [--json PATH] [--plot PATH]
-        [--max-batch BUDGET_GB]
+        [--budget GIB [--check]] [--max-batch BUDGET_GB]
 
-Every mode runs on the same inputs in this one process. For each: bytes saved for backward in a
-training step (deduplicated storages, parameters excluded; works on CPU), peak allocated memory
-(CUDA only), the median time of a forward+backward step, ratios to ``baseline``, and the saved
-bytes by the type of module that saved them. Modes: ``baseline``, ``mesa`` (the config's ``mesa``
-setting: the default preset unless it says otherwise), ``mesa:PRESET`` for every other preset of
-``mmseg_mesa.config.PRESETS`` (``mesa:mesa``, the paper's; ``mesa:max-saving``), ``amp``
-(autocast: fp16 on CUDA, bf16 on CPU), ``mesa+amp``, ``checkpoint`` (activation checkpointing of
-each backbone stage, as mmengine's ``activation_checkpointing`` does), ``mesa+checkpoint``.
-Any Mesa mode combines with ``+amp`` and ``+checkpoint`` (``mesa:max-saving+amp``).
+Every mode runs on the same inputs in this one process. For each: the **peak** tensor memory of
+one full training step (forward, backward, the config's optimizer step; measured after one
+warm-up step, so the optimizer state exists) with torch's ``MemTracker``, broken down by category
+(parameters, gradients, optimizer state, activations, backward temporaries) and where the peak
+happens (phase and module); on CUDA also ``torch.cuda.max_memory_allocated`` of that step. Then
+the bytes saved for backward (deduplicated storages, parameters excluded), the median time of a
+training step, ratios to ``baseline``, and the saved bytes by the type of module that saved them.
+Modes: ``baseline``, ``mesa`` (the config's ``mesa`` setting: the default preset unless it says
+otherwise), ``mesa:PRESET`` for every other preset of ``mmseg_mesa.config.PRESETS``
+(``mesa:mesa``, the paper's; ``mesa:max-saving``), ``amp`` (autocast: fp16 on CUDA, bf16 on CPU),
+``mesa+amp``, ``checkpoint`` (activation checkpointing of each backbone stage, as mmengine's
+``activation_checkpointing`` does), ``mesa+checkpoint``. Any Mesa mode combines with ``+amp`` and
+``+checkpoint`` (``mesa:max-saving+amp``).
 ``--cfg-options`` changes the config as in ``tools/train.py``; ``mesa.*`` keys change what the
 ``mesa`` mode measures (e.g. ``--cfg-options "mesa.division=[conv2d,batchnorm]"``).
+
+``--budget GIB`` answers "what fits?": for each mode (default: baseline and every preset) it
+measures the step peak at ``--batch`` B and 2B, fits peak = fixed + per_image * batch (the peak is
+close to affine in the batch) and prints the largest batch whose predicted peak fits in GIB;
+``--check`` then runs that batch once per mode and reports predicted against measured.
 """
 from __future__ import annotations
 
@@ -77,6 +86,12 @@ def default_modes() -> list[str]:
     return ['baseline', 'mesa', *presets, 'amp', 'mesa+amp', 'checkpoint', 'mesa+checkpoint']
 
 
+def budget_modes() -> list[str]:
+    """Baseline, the config's Mesa setting and every other preset."""
+    from mmseg_mesa.config import PRESETS
+    return ['baseline', 'mesa', *[f'mesa:{name}' for name in PRESETS if name != 'default']]
+
+
 def add_cfg_options(parser: argparse.ArgumentParser) -> None:
     from mmengine.config import DictAction
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default=None,
@@ -88,22 +103,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('config', nargs='?', default=DEFAULT_CONFIG)
     modes = default_modes()
-    parser.add_argument('--modes', nargs='+', default=modes, type=mode_name,
-                        help=f'default: {" ".join(modes)}')
+    parser.add_argument('--modes', nargs='+', default=None, type=mode_name,
+                        help=f'default: {" ".join(modes)} (with --budget: '
+                             f'{" ".join(budget_modes())})')
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'),
                         help="input size; defaults to the config's crop_size")
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--iters', type=int, default=None,
-                        help='timed steps per mode (default: 1 on CPU, 5 on CUDA)')
+                        help='timed steps per mode (default: 1 on CPU, 5 on CUDA; 0: none)')
     parser.add_argument('--json', help='write the results as JSON here')
     parser.add_argument('--plot', help='write a PNG bar chart here')
+    parser.add_argument('--budget', type=float, default=None, metavar='GIB',
+                        help='predict the largest batch per mode whose step peak fits in GIB '
+                             '(from peaks measured at --batch B and 2B)')
+    parser.add_argument('--check', action='store_true',
+                        help='with --budget: run the predicted batch once and compare')
     parser.add_argument('--max-batch', type=float, default=None, metavar='BUDGET_GB',
                         help='CUDA only: the largest power-of-two batch per mode within budget')
     add_cfg_options(parser)
     args = parser.parse_args(argv)
     if args.max_batch is not None and args.device != 'cuda':
         parser.error('--max-batch measures peak CUDA memory: it needs --device cuda')
+    if args.check and args.budget is None:
+        parser.error('--check checks the prediction of --budget: give --budget GIB')
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f'--budget must be positive, got {args.budget}')
+    if args.batch < 1:
+        parser.error(f'--batch must be at least 1, got {args.batch}')
+    if args.modes is None:
+        args.modes = budget_modes() if args.budget is not None else modes
     return args
 
 
@@ -137,7 +166,8 @@ def build_model(cfg: Any, device: str) -> torch.nn.Module:
 def make_batch(cfg: Any, batch: int, size: tuple[int, int], device: str) -> tuple:
     from mmengine.structures import PixelData
     from mmseg.structures import SegDataSample
-    num_classes = cfg.model.decode_head.num_classes
+    head = cfg.model.decode_head  # a list for cascade heads (OCRNet): the last one predicts
+    num_classes = (head[-1] if isinstance(head, list) else head).num_classes
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randn(batch, 3, *size, generator=gen).to(device)
     samples = []
@@ -177,11 +207,28 @@ def loss_of(losses: dict) -> torch.Tensor:
     return sum(v for k, v in losses.items() if 'loss' in k)
 
 
-def run_step(model: torch.nn.Module, batch: tuple, mode: str, device: str) -> None:
+def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
+    """The config's optimizer (with its per-parameter settings), as training would build it."""
+    from mmengine.optim import build_optim_wrapper
+    wrapper = copy.deepcopy(cfg.get('optim_wrapper') or dict(
+        optimizer=dict(type='AdamW', lr=6e-5, betas=(0.9, 0.999), weight_decay=0.01)))
+    wrapper['type'] = 'OptimWrapper'  # only the optimizer matters here (AMP is a mode)
+    wrapper.pop('loss_scale', None)
+    return build_optim_wrapper(model, wrapper).optimizer
+
+
+def forward_loss(model: torch.nn.Module, batch: tuple, mode: str, device: str) -> torch.Tensor:
     amp_dtype = torch.float16 if device == 'cuda' else torch.bfloat16
     with torch.autocast(device, dtype=amp_dtype, enabled=parse_mode(mode).amp):
-        losses = model(*batch, mode='loss')
-    loss_of(losses).backward()
+        return loss_of(model(*batch, mode='loss'))
+
+
+def run_step(model: torch.nn.Module, batch: tuple, mode: str, device: str,
+             optimizer: torch.optim.Optimizer | None = None) -> None:
+    """One training step: forward, backward and (when given) the optimizer step."""
+    forward_loss(model, batch, mode, device).backward()
+    if optimizer is not None:
+        optimizer.step()
     model.zero_grad(set_to_none=True)
 
 
@@ -190,30 +237,112 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model: torch.nn.Module, batch: tuple, mode: str, device: str, iters: int) -> dict:
+def step_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, mode: str,
+              device: str) -> dict:
+    """The peak of one training step (after a warm-up step has created the optimizer state)."""
+    from mmseg_mesa.memory import track_step_peak
+    if device == 'cuda':
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    peak = track_step_peak(model, optimizer, lambda: forward_loss(model, batch, mode, device),
+                           batch[0], *[s.gt_sem_seg.data for s in batch[1]])
+    cuda_peak = None
+    if device == 'cuda':
+        torch.cuda.synchronize()
+        cuda_peak = torch.cuda.max_memory_allocated()
+    return dict(peak_bytes=peak.peak_bytes, peak_by_category=peak.by_category,
+                peak_phase=peak.phase, peak_module=peak.module, phase_peaks=peak.phase_peaks,
+                cuda_peak_bytes=cuda_peak)
+
+
+def measure(model: torch.nn.Module, batch: tuple, mode: str, device: str, iters: int,
+            cfg: Any) -> dict:
     from mmseg_mesa.memory import count_saved_tensors
-    amp_dtype = torch.float16 if device == 'cuda' else torch.bfloat16
+    optimizer = build_optimizer(model, cfg)
     with count_saved_tensors(model) as saved:
-        with torch.autocast(device, dtype=amp_dtype, enabled=parse_mode(mode).amp):
-            losses = model(*batch, mode='loss')
-    loss_of(losses).backward()
+        loss = forward_loss(model, batch, mode, device)
+    loss.backward()  # with the optimizer step below: the warm-up step
+    del loss
+    optimizer.step()
     model.zero_grad(set_to_none=True)
-    del losses
-    peak = None
+    result = step_peak(model, optimizer, batch, mode, device)
     times = []
     for _ in range(iters):
-        if device == 'cuda':
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
         synchronize(device)
         start = time.perf_counter()
-        run_step(model, batch, mode, device)
+        run_step(model, batch, mode, device, optimizer)
         synchronize(device)
         times.append(time.perf_counter() - start)
-        if device == 'cuda':
-            peak = max(peak or 0, torch.cuda.max_memory_allocated())
-    return dict(saved_bytes=saved.total_bytes, peak_bytes=peak,
-                step_time_s=statistics.median(times), by_type=dict(saved.by_type))
+    return dict(result, saved_bytes=saved.total_bytes,
+                step_time_s=statistics.median(times) if times else None,
+                by_type=dict(saved.by_type))
+
+
+def peak_at(base: torch.nn.Module, cfg: Any, mode: str, mesa_config: Any, batch_size: int,
+            size: tuple[int, int], device: str) -> dict:
+    """Build the mode's model, take a warm-up step and measure the next step's peak."""
+    model = prepare(base, mode, mesa_config)
+    optimizer = build_optimizer(model, cfg)
+    batch = make_batch(cfg, batch_size, size, device)
+    run_step(model, batch, mode, device, optimizer)
+    result = step_peak(model, optimizer, batch, mode, device)
+    del model, optimizer, batch
+    if device == 'cuda':
+        torch.cuda.empty_cache()
+    return result
+
+
+def plan_batches(base: torch.nn.Module, cfg: Any, modes: list[str], mesa_config: Any,
+                 batch: int, size: tuple[int, int], device: str, budget_gib: float,
+                 check: bool) -> dict:
+    """Per mode: step peaks at ``batch`` and ``2 * batch``, an affine fit of each phase's peak
+    (forward, backward, optimizer step; the step's peak is their maximum, and which phase holds
+    it can change with the batch) and the largest batch whose predicted peak fits in
+    ``budget_gib``; with ``check``, the measured peak at that batch."""
+    budget = budget_gib * 2 ** 30
+    plans = {}
+    for mode in modes:
+        print(f'planning {mode}: peaks at batch {batch} and {2 * batch} ...', flush=True)
+        low = peak_at(base, cfg, mode, mesa_config, batch, size, device)['phase_peaks']
+        high = peak_at(base, cfg, mode, mesa_config, 2 * batch, size, device)['phase_peaks']
+        fits = {phase: ((high[phase] - low[phase]) / batch,
+                        low[phase] - (high[phase] - low[phase])) for phase in low}
+
+        def predict(b: int, fits: dict = fits) -> float:
+            return max(fixed + per_image * b for per_image, fixed in fits.values())
+
+        per_image = max(slope for slope, _ in fits.values())
+        if per_image <= 0:
+            raise SystemExit(f'{mode}: the step peak did not grow with the batch '
+                             f'({low} -> {high}); cannot extrapolate')
+        largest = 0
+        while predict(largest + 1) <= budget:
+            largest += 1
+        plan = dict(batches=[batch, 2 * batch], phase_peaks_low=low, phase_peaks_high=high,
+                    per_image_bytes=per_image, fixed_bytes=predict(0), max_batch=largest,
+                    predicted_bytes=predict(largest) if largest else None)
+        if check and largest:
+            print(f'checking {mode} at batch {largest} ...', flush=True)
+            measured = peak_at(base, cfg, mode, mesa_config, largest, size, device)['peak_bytes']
+            plan['measured_bytes'] = measured
+            plan['error'] = plan['predicted_bytes'] / measured - 1
+        plans[mode] = plan
+    return plans
+
+
+def format_plans(plans: dict, budget_gib: float, size: tuple[int, int]) -> str:
+    mb = 2 ** 20
+    lines = [f'Largest batch whose step peak fits in {budget_gib:g} GiB at {size[0]}x{size[1]} '
+             '(each phase: fixed + per_image * batch, fitted at two batches):',
+             f"{'mode':<17}{'fixed MB':>10}{'MB/image':>10}{'batch':>7}{'predicted MB':>14}"
+             f"{'measured MB':>13}{'error':>8}"]
+    for mode, p in plans.items():
+        predicted = f"{p['predicted_bytes'] / mb:14.0f}" if p['predicted_bytes'] else f"{'-':>14}"
+        measured = (f"{p['measured_bytes'] / mb:13.0f}{p['error']:+8.1%}"
+                    if 'measured_bytes' in p else f"{'-':>13}{'-':>8}")
+        lines.append(f"{mode:<17}{p['fixed_bytes'] / mb:10.0f}{p['per_image_bytes'] / mb:10.0f}"
+                     f"{p['max_batch']:7d}{predicted}{measured}")
+    return '\n'.join(lines)
 
 
 def max_batch(base: torch.nn.Module, cfg: Any, mode: str, mesa_config: Any,
@@ -240,31 +369,51 @@ def add_ratios(results: dict) -> None:
     if not base:
         return
     for entry in results['modes'].values():
+        entry['peak_ratio'] = entry['peak_bytes'] / base['peak_bytes']
         entry['saved_ratio'] = entry['saved_bytes'] / base['saved_bytes']
-        entry['time_ratio'] = entry['step_time_s'] / base['step_time_s']
-        entry['peak_ratio'] = (entry['peak_bytes'] / base['peak_bytes']
-                               if entry['peak_bytes'] and base['peak_bytes'] else None)
+        entry['time_ratio'] = (entry['step_time_s'] / base['step_time_s']
+                               if entry['step_time_s'] and base['step_time_s'] else None)
+        entry['cuda_peak_ratio'] = (entry['cuda_peak_bytes'] / base['cuda_peak_bytes']
+                                    if entry['cuda_peak_bytes'] and base['cuda_peak_bytes']
+                                    else None)
+
+
+CATEGORIES = ('Parameter', 'Gradient', 'Optstate', 'Activation', 'Temp', 'Buffer', 'Other')
 
 
 def format_table(results: dict) -> str:
     mb = 2 ** 20
+    modes = results['modes']
     lines = [f"{results['config']}  device={results['device']}  batch={results['batch']}  "
              f"size={results['size']}",
-             f"{'mode':<17}{'saved MB':>10}{'ratio':>8}{'peak MB':>10}{'ratio':>8}"
-             f"{'step s':>9}{'ratio':>8}"]
-    for mode, r in results['modes'].items():
-        peak = f"{r['peak_bytes'] / mb:10.0f}" if r['peak_bytes'] else f"{'-':>10}"
-        peak_ratio = f"{r['peak_ratio']:8.3f}" if r.get('peak_ratio') else f"{'-':>8}"
-        lines.append(f"{mode:<17}{r['saved_bytes'] / mb:10.1f}{r.get('saved_ratio', 1):8.3f}"
-                     f"{peak}{peak_ratio}{r['step_time_s']:9.3f}{r.get('time_ratio', 1):8.3f}")
-    types = sorted({t for r in results['modes'].values() for t in r['by_type']},
-                   key=lambda t: -results['modes'].get('baseline', next(
-                       iter(results['modes'].values())))['by_type'].get(t, 0))
+             'Peak of one training step (forward, backward, optimizer step; after a warm-up '
+             'step), saved bytes and step time:',
+             f"{'mode':<17}{'peak MB':>9}{'ratio':>8}{'saved MB':>10}{'ratio':>8}"
+             f"{'step s':>9}{'ratio':>8}  peak in"]
+    for mode, r in modes.items():
+        timing = (f"{r['step_time_s']:9.3f}{r.get('time_ratio') or 1:8.3f}"
+                  if r['step_time_s'] is not None else f"{'-':>9}{'-':>8}")
+        lines.append(f"{mode:<17}{r['peak_bytes'] / mb:9.0f}{r.get('peak_ratio', 1):8.3f}"
+                     f"{r['saved_bytes'] / mb:10.1f}{r.get('saved_ratio', 1):8.3f}{timing}  "
+                     f"{r['peak_phase']}: {r['peak_module'] or '-'}")
+    if any(r.get('cuda_peak_bytes') for r in modes.values()):
+        lines.append('CUDA max_memory_allocated of that step (MB): ' + ', '.join(
+            f"{m}={r['cuda_peak_bytes'] / mb:.0f}" for m, r in modes.items()))
+    lines.append('\nAt the peak, by category (MB; Activation: made in forward, Temp: in '
+                 'backward):')
+    lines.append(f"{'category':<12}" + ''.join(f'{m:>17}' for m in modes))
+    for category in CATEGORIES:
+        if any(r['peak_by_category'].get(category) for r in modes.values()):
+            lines.append(f'{category:<12}' + ''.join(
+                f"{r['peak_by_category'].get(category, 0) / mb:17.0f}" for r in modes.values()))
+    types = sorted({t for r in modes.values() for t in r['by_type']},
+                   key=lambda t: -modes.get('baseline', next(iter(modes.values())))[
+                       'by_type'].get(t, 0))
     lines.append('\nSaved MB by module type (Mesa modules under the type they replaced):')
-    lines.append(f"{'type':<22}" + ''.join(f'{m:>17}' for m in results['modes']))
+    lines.append(f"{'type':<22}" + ''.join(f'{m:>17}' for m in modes))
     for t in types:
         lines.append(f'{t:<22}' + ''.join(f"{r['by_type'].get(t, 0) / mb:17.1f}"
-                                           for r in results['modes'].values()))
+                                           for r in modes.values()))
     if 'max_batch' in results:
         lines.append(f"\nLargest batch within {results['max_batch_budget_gb']} GB: " +
                      ', '.join(f'{m}={b}' for m, b in results['max_batch'].items()))
@@ -277,12 +426,29 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     modes = list(results['modes'])
     mb = 2 ** 20
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (peak_ax, left, right) = plt.subplots(1, 3, figsize=(18, 4.8))
+    bottom = [0.0] * len(modes)
+    for i, category in enumerate(CATEGORIES):
+        values = [results['modes'][m]['peak_by_category'].get(category, 0) / mb for m in modes]
+        if any(values):
+            peak_ax.bar(modes, values, bottom=bottom, label=category,
+                        color=plt.cm.Set2.colors[i % 8])
+            bottom = [b + v for b, v in zip(bottom, values)]
+    for k, m in enumerate(modes):
+        ratio = results['modes'][m].get('peak_ratio')
+        if ratio is not None:
+            peak_ax.annotate(f'{ratio:.2f}x', (k, bottom[k]), ha='center', va='bottom',
+                             fontsize=8)
+    peak_ax.set_ylabel('MB at the peak')
+    peak_ax.set_title('Peak of a training step (fwd + bwd + optimizer)')
+    peak_ax.tick_params(axis='x', rotation=30)
+    peak_ax.legend(fontsize=7)
+    peak_ax.margins(y=0.1)
     saved = [results['modes'][m]['saved_bytes'] / mb for m in modes]
     colours = ['#888' if parse_mode(m).preset is None else '#2a7' for m in modes]
     left.bar(modes, saved, color=colours)
     left.set_ylabel('saved for backward (MB)')
-    left.set_title('Activation memory per mode')
+    left.set_title('Saved for backward per mode')
     left.tick_params(axis='x', rotation=30)
     totals: dict[str, float] = {}
     for m in modes:
@@ -312,6 +478,13 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def write_json(results: dict, path: str | None) -> None:
+    if path:
+        os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+        with open(path, 'w') as f:
+            json.dump(results, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     sys.path.insert(0, ROOT)
@@ -319,27 +492,37 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(args.config, args.cfg_options)
     mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
     size = tuple(args.size) if args.size else tuple(cfg.get('crop_size', (512, 512)))
-    iters = args.iters or (5 if args.device == 'cuda' else 1)
+    iters = args.iters if args.iters is not None else (5 if args.device == 'cuda' else 1)
     base = build_model(cfg, args.device)
     batch = make_batch(cfg, args.batch, size, args.device)
     results: dict = dict(config=osp.relpath(args.config, ROOT), device=args.device,
                          batch=args.batch, size=list(size), iters=iters,
                          mesa=str(mesa_config), modes={})
+    if args.budget is not None:
+        results.update(budget_gib=args.budget, plans=plan_batches(
+            base, cfg, args.modes, mesa_config, args.batch, size, args.device, args.budget,
+            args.check))
+        print(format_plans(results['plans'], args.budget, size))
+        write_json(results, args.json)
+        return results
+    mb = 2 ** 20
     for mode in args.modes:
         print(f'measuring {mode} ...', flush=True)
+        start = time.perf_counter()
         model = prepare(base, mode, mesa_config)
-        results['modes'][mode] = measure(model, batch, mode, args.device, iters)
+        entry = results['modes'][mode] = measure(model, batch, mode, args.device, iters, cfg)
         del model
+        print(f"  {mode}: step peak {entry['peak_bytes'] / mb:.0f} MB ({entry['peak_phase']}: "
+              f"{entry['peak_module'] or '-'}), saved {entry['saved_bytes'] / mb:.1f} MB "
+              f'[{time.perf_counter() - start:.0f} s]', flush=True)
+        write_json(results, args.json)  # what is measured so far survives an interruption
     add_ratios(results)
     if args.max_batch is not None:
         results['max_batch_budget_gb'] = args.max_batch
         results['max_batch'] = {mode: max_batch(base, cfg, mode, mesa_config, size,
                                                 args.max_batch) for mode in args.modes}
     print(format_table(results))
-    if args.json:
-        os.makedirs(osp.dirname(osp.abspath(args.json)), exist_ok=True)
-        with open(args.json, 'w') as f:
-            json.dump(results, f, indent=2)
+    write_json(results, args.json)
     if args.plot:
         os.makedirs(osp.dirname(osp.abspath(args.plot)), exist_ok=True)
         plot(results, args.plot)
