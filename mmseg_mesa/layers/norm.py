@@ -120,13 +120,9 @@ class MesaBatchNormFunction(torch.autograd.Function):
         ctx.input_dtype = x.dtype
         ctx.eps = eps
         y = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
-        dims = [0] + list(range(2, x.dim()))
-        with torch.no_grad():
-            var, mean = torch.var_mean(x.float(), dim=dims, correction=0, keepdim=True)
-            invstd = torch.rsqrt(var + eps)
-            x_norm = (x.float() - mean) * invstd
-            packed = quantizer.pack(x_norm)
-        save(ctx, packed, invstd, weight, bias)
+        x_norm, invstd = normalized(x, (0, *range(2, x.dim())), eps)  # one temporary, not two
+        save(ctx, quantizer.pack(x_norm), invstd, weight, bias)
+        del x_norm
         return y
 
     @staticmethod
