@@ -1,10 +1,12 @@
 """Each Mesa layer next to the torch layer it replaces, with inputs of awkward shapes."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from conftest import cosine
 from torch import nn
 
 from mmseg_mesa import (
@@ -19,6 +21,7 @@ from mmseg_mesa import (
     MesaReLU,
     MesaSoftmax,
 )
+from mmseg_mesa.memory import count_saved_tensors
 
 
 class TorchMatMul(nn.Module):
@@ -75,3 +78,69 @@ CASES = [
     Case('matmul_broadcast', lambda: TorchMatMul(), [(2, 3, 7, 5), (3, 5, 6)],
          lambda _m, cfg: MesaMatMul(mesa_config=cfg), memory_shapes=[(4, 3, 49, 32), (3, 32, 49)]),
 ]
+
+
+# What every per-layer test file (test_layers.py, test_layers_extra.py) does with a Case.
+
+def pair(case: Case, dtype=torch.float32, config=None):
+    ref = case.make().to(dtype)
+    return ref, case.mesa(copy.deepcopy(ref), config or MesaConfig())
+
+
+def run(module, xs, seed=0):
+    torch.manual_seed(seed)
+    return module(*xs)
+
+
+def upstream_grad(y):
+    """Random upstream gradient from its own generator (never equal to the inputs' draws)."""
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randn(y.shape, generator=gen).to(y.dtype)
+
+
+def clones(xs):
+    return [x.detach().clone().requires_grad_() for x in xs]
+
+
+def grad_pairs(ref, ours, xs, xs2):
+    return ([(a.grad, b.grad) for a, b in zip(xs, xs2)]
+            + [(p.grad, q.grad) for p, q in zip(ref.parameters(), ours.parameters())])
+
+
+def saved_bytes(module, xs):
+    """Bytes saved for backward by one forward, and its output."""
+    with count_saved_tensors(module) as report:
+        out = module(*xs)
+    return report.total_bytes, out
+
+
+def check_disabled_and_eval(case: Case) -> None:
+    """Disabled: the torch path, saving exactly what torch saves. Eval: bit-identical outputs
+    and running estimates untouched."""
+    ref, ours = pair(case, config=MesaConfig(enabled=False))
+    xs = case.inputs()
+    assert saved_bytes(ours, clones(xs))[0] == saved_bytes(ref, xs)[0]
+    ref, ours = pair(case)
+    ours.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(run(ref, xs), run(ours, xs))
+    for buffer_name, buffer in ours.named_buffers():
+        if buffer_name.endswith(('lower', 'span', 'seen')):
+            assert buffer.numel() == 0, 'eval mode must not touch running estimates'
+
+
+def check_autocast(case: Case) -> None:
+    """bf16 autocast: bit-identical outputs, gradients of torch's dtypes and direction."""
+    ref, ours = pair(case)
+    xs = case.inputs()
+    xs2 = clones(xs)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        y, y2 = run(ref, xs), run(ours, xs2)
+    assert y.dtype == y2.dtype and torch.equal(y, y2)
+    grad = upstream_grad(y)
+    y.backward(grad)
+    y2.backward(grad)
+    for expected, got in grad_pairs(ref, ours, xs, xs2):
+        assert got.dtype == expected.dtype
+        assert cosine(expected, got) >= 0.99

@@ -12,36 +12,32 @@ import copy
 import pytest
 import torch
 from conftest import cosine, sqnr_db
-from layer_cases import CASES, Case
+from layer_cases import (
+    CASES,
+    check_autocast,
+    check_disabled_and_eval,
+    clones,
+    grad_pairs,
+    pair,
+    run,
+    saved_bytes,
+    upstream_grad,
+)
 from torch import nn
 
 from mmseg_mesa import MesaConfig, MesaLayerNorm, MesaLinear, MesaReLU
-from mmseg_mesa.memory import count_saved_tensors
 
 FIRST_STEP_SQNR_DB = 35.0
 SETTLED_SQNR_DB = 35.0
 IDS = [c.name for c in CASES]
 
 
-def pair(case: Case, dtype=torch.float32, config=None):
-    ref = case.make().to(dtype)
-    ours = case.mesa(copy.deepcopy(ref), config or MesaConfig())
-    return ref, ours
 
 
-def run(module, xs, seed=0):
-    torch.manual_seed(seed)
-    return module(*xs)
 
 
-def upstream_grad(y):
-    """Random upstream gradient from its own generator (never equal to the inputs' draws)."""
-    gen = torch.Generator().manual_seed(1234)
-    return torch.randn(y.shape, generator=gen).to(y.dtype)
 
 
-def clones(xs):
-    return [x.detach().clone().requires_grad_() for x in xs]
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
@@ -55,9 +51,6 @@ def test_forward_is_bit_identical(case, dtype, train):
     assert torch.equal(run(ref, xs), run(ours, clones(xs)))
 
 
-def grad_pairs(ref, ours, xs, xs2):
-    return ([(a.grad, b.grad) for a, b in zip(xs, xs2)]
-            + [(p.grad, q.grad) for p, q in zip(ref.parameters(), ours.parameters())])
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
@@ -108,10 +101,6 @@ def test_gradients_after_running_estimates_settle(name, make, inputs, floor):
         ours.zero_grad()
 
 
-def saved_bytes(module, xs):
-    with count_saved_tensors(module) as report:
-        out = module(*xs)
-    return report.total_bytes, out
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
@@ -139,35 +128,12 @@ def test_sub_byte_saved_bytes(bits, limit):
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
 def test_disabled_and_eval_run_the_torch_path(case):
-    ref, ours = pair(case, config=MesaConfig(enabled=False))
-    xs = case.inputs()
-    baseline, _ = saved_bytes(ref, xs)
-    disabled, _ = saved_bytes(ours, clones(xs))
-    assert disabled == baseline
-    ref, ours = pair(case)
-    ours.eval()
-    ref.eval()
-    with torch.no_grad():
-        assert torch.equal(run(ref, xs), run(ours, xs))
-    for buffer_name, buffer in ours.named_buffers():
-        if buffer_name.endswith(('lower', 'span', 'seen')):
-            assert buffer.numel() == 0, 'eval mode must not touch running estimates'
+    check_disabled_and_eval(case)
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
 def test_autocast(case):
-    ref, ours = pair(case)
-    xs = case.inputs()
-    xs2 = clones(xs)
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        y, y2 = run(ref, xs), run(ours, xs2)
-    assert y.dtype == y2.dtype and torch.equal(y, y2)
-    grad = upstream_grad(y)
-    y.backward(grad)
-    y2.backward(grad)
-    for expected, got in grad_pairs(ref, ours, xs, xs2):
-        assert got.dtype == expected.dtype
-        assert cosine(expected, got) >= 0.99
+    check_autocast(case)
 
 
 def test_inplace_relu_modifies_its_input():

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import cosine, sqnr_db
-from layer_cases import Case
+from layer_cases import (
+    Case,
+    check_autocast,
+    check_disabled_and_eval,
+    clones,
+    pair,
+    run,
+    saved_bytes,
+    upstream_grad,
+)
 from torch import nn
 
 from mmseg_mesa import (
@@ -97,23 +106,12 @@ CASES = [
 IDS = [c.name for c in CASES]
 
 
-def pair(case, dtype=torch.float32, config=None):
-    ref = case.make().to(dtype)
-    return ref, case.mesa(copy.deepcopy(ref), config or MesaConfig())
 
 
-def run(module, xs, seed=0):
-    torch.manual_seed(seed)
-    return module(*xs)
 
 
-def upstream_grad(y):
-    gen = torch.Generator().manual_seed(1234)
-    return torch.randn(y.shape, generator=gen).to(y.dtype)
 
 
-def clones(xs):
-    return [x.detach().clone().requires_grad_() for x in xs]
 
 
 def backward_all(case, ref, ours, dtype=torch.float32):
@@ -132,10 +130,6 @@ def backward_all(case, ref, ours, dtype=torch.float32):
     return inputs, params
 
 
-def saved_bytes(module, xs):
-    with count_saved_tensors(module) as report:
-        module(*xs)
-    return report.total_bytes
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
@@ -207,8 +201,8 @@ def test_maxpool_low_precision_gradient_is_the_rounded_exact_sum(dtype):
 def test_saved_bytes_ratio(case):
     ref, ours = pair(case)
     xs = case.inputs(big=True)
-    baseline = saved_bytes(ref, xs)
-    mesa = saved_bytes(ours, clones(xs))
+    baseline, _ = saved_bytes(ref, xs)
+    mesa, _ = saved_bytes(ours, clones(xs))
     assert baseline > 0
     assert mesa <= case.saved_limit * baseline, (mesa, baseline)
 
@@ -237,35 +231,12 @@ def test_maxpool_large_windows_use_wider_positions():
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
 def test_disabled_and_eval_run_the_torch_path(case):
-    ref, ours = pair(case, config=MesaConfig(enabled=False))
-    xs = case.inputs()
-    assert saved_bytes(ours, clones(xs)) == saved_bytes(ref, xs)
-    ref, ours = pair(case)
-    ref.eval()
-    ours.eval()
-    with torch.no_grad():
-        assert torch.equal(run(ref, xs), run(ours, xs))
-    for buffer_name, buffer in ours.named_buffers():
-        if buffer_name.endswith(('lower', 'span', 'seen')):
-            assert buffer.numel() == 0, 'eval mode must not touch running estimates'
+    check_disabled_and_eval(case)
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
 def test_autocast(case):
-    ref, ours = pair(case)
-    xs = case.inputs()
-    xs2 = clones(xs)
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        y, y2 = run(ref, xs), run(ours, xs2)
-    assert y.dtype == y2.dtype and torch.equal(y, y2)
-    grad = upstream_grad(y)
-    y.backward(grad)
-    y2.backward(grad)
-    pairs = [(a.grad, b.grad) for a, b in zip(xs, xs2)] + [
-        (p.grad, q.grad) for p, q in zip(ref.parameters(), ours.parameters())]
-    for expected, got in pairs:
-        assert got.dtype == expected.dtype
-        assert cosine(expected, got) >= 0.99
+    check_autocast(case)
 
 
 INPLACE = [
