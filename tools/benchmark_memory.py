@@ -478,6 +478,11 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def input_size(size: list[int] | None, cfg: Any) -> tuple[int, int]:
+    """``--size H W`` if given, else the config's ``crop_size`` (512x512 when it has none)."""
+    return tuple(size) if size else tuple(cfg.get('crop_size', (512, 512)))
+
+
 def write_json(results: dict, path: str | None) -> None:
     if path:
         os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
@@ -491,7 +496,7 @@ def main(argv: list[str] | None = None) -> dict:
     from mmseg_mesa import MesaConfig
     cfg = load_config(args.config, args.cfg_options)
     mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
-    size = tuple(args.size) if args.size else tuple(cfg.get('crop_size', (512, 512)))
+    size = input_size(args.size, cfg)
     iters = args.iters if args.iters is not None else (5 if args.device == 'cuda' else 1)
     base = build_model(cfg, args.device)
     batch = make_batch(cfg, args.batch, size, args.device)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import os.path as osp
 import sys
 from collections import Counter
@@ -35,8 +33,10 @@ sys.path.insert(0, osp.join(ROOT, 'tools'))
 from benchmark_memory import (  # noqa: E402
     add_cfg_options,
     build_model,
+    input_size,
     load_config,
     make_batch,
+    write_json,
 )
 
 FUNCTIONAL = '<functional>'
@@ -204,13 +204,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     sys.path.insert(0, ROOT)
     cfg = load_config(args.config, args.cfg_options)
-    size = tuple(args.size) if args.size else tuple(cfg.get('crop_size', (512, 512)))
+    size = input_size(args.size, cfg)
     result = dict(config=args.config, **coverage(cfg, size, args.batch))
     print(format_result(result, args.top))
-    if args.json:
-        os.makedirs(osp.dirname(osp.abspath(args.json)), exist_ok=True)
-        with open(args.json, 'w') as f:
-            json.dump(result, f, indent=2)
+    write_json(result, args.json)
     return result
 
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
-import os
 import os.path as osp
 import sys
 from typing import Any
@@ -39,9 +37,11 @@ sys.path.insert(0, osp.join(ROOT, 'tools'))
 from benchmark_memory import (  # noqa: E402
     add_cfg_options,
     build_model,
+    input_size,
     load_config,
     loss_of,
     make_batch,
+    write_json,
 )
 
 Gradients = dict[str, torch.Tensor]
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, ROOT)
     cfg = load_config(args.config, args.cfg_options)
     configs = {name: mesa_config_for(name, cfg) for name in args.presets}  # bad values fail here
-    size = tuple(args.size) if args.size else tuple(cfg.get('crop_size', (512, 512)))
+    size = input_size(args.size, cfg)
     reference = build_reference(cfg, args.init_weights)
     if args.checkpoint:
         from mmseg_mesa.integrations.checkpoint import allow_mmengine_checkpoints
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:<12}{row['draws']:6d}{row['relative_error']:12.5f}"
                   f"{row['relative_error'] / noise if noise else math.inf:9.3f}"
                   f"{row['worst_cosine']:14.6f}  {row['worst_parameter']}", flush=True)
-    if args.json:
-        os.makedirs(osp.dirname(osp.abspath(args.json)), exist_ok=True)
-        with open(args.json, 'w') as f:
-            json.dump(results, f, indent=1)
+    write_json(results, args.json)
     return results
 
 
