@@ -14,7 +14,7 @@ def register_openmmlab_handlers() -> None:
     from torch import nn
 
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
-    from .modules import MesaDecodeHead, MesaDropPath, MesaWindowMSA, decode_head_check
+    from .modules import MesaDecodeHead, MesaDropPath, MesaWindowMSA
 
     # mmcv's wrappers override forward only to special-case empty inputs on torch < 1.9
     # (obsolete_torch_version); on the torch we support they call the base's forward.
@@ -29,8 +29,9 @@ def register_openmmlab_handlers() -> None:
                      lambda m: None if 0.0 < m.drop_prob < 1.0 else
                      f'drop_prob={m.drop_prob} saves no mask')
     register_functional_handlers()
-    # Heads override forward but not loss_by_feat, the one method the Mesa head replaces.
-    register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead), decode_head_check,
+    # Heads override forward but not loss_by_feat, the one method the Mesa head replaces; a
+    # head with its own loss_by_feat (PointHead, DAHead, ...) is left by that rule.
+    register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead),
                      replaces=('loss_by_feat',))
 
 

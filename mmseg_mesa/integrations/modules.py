@@ -166,9 +166,3 @@ class MesaDecodeHead(MesaModule, BaseDecodeHead):
                 result[loss.loss_name] = value
         result['acc_seg'] = top1_accuracy(correct, label, self.ignore_index)
         return result
-
-
-def decode_head_check(head: BaseDecodeHead) -> str | None:
-    if type(head).loss_by_feat is not BaseDecodeHead.loss_by_feat:
-        return f'{type(head).__name__} has its own loss_by_feat'
-    return None
