@@ -117,4 +117,5 @@ def handled_types() -> list[type]:
 
 
 def supported_types() -> list[str]:
-    return sorted(t.__name__ for t in handled_types())
+    """Names of the handled types, each once (mmcv's ``Conv2d`` wrapper shares torch's name)."""
+    return sorted({t.__name__ for t in handled_types()})
