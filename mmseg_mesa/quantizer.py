@@ -18,7 +18,7 @@ and ``x_hat = code * scale + lower`` (a multiply, then an add: no fused multiply
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -316,6 +316,28 @@ def unpack(packed: Packed | Any, dtype: torch.dtype | None = None) -> torch.Tens
                              packed.group_dim, packed.group_size, dtype or packed.dtype)
 
 
+def attach_codes(x: torch.Tensor, packed: Packed) -> None:
+    """Offer ``packed`` (the codes of ``x`` itself) to the next layer that saves ``x``.
+
+    An attention map is saved by its softmax and again by ``attn @ v``; with the codes attached
+    to the map, one copy serves both (``attached_codes``).
+    """
+    x._mesa_codes = (packed, x._version)  # type: ignore[attr-defined]
+
+
+def attached_codes(x: torch.Tensor, spec: QuantSpec) -> Packed | None:
+    """The codes ``attach_codes`` left on ``x`` when they are what ``spec`` would store (same
+    bits, groups and backend) and ``x`` has not been modified in place since; else None."""
+    found = getattr(x, '_mesa_codes', None)
+    if found is None:
+        return None
+    packed, version = found
+    same = (version == x._version and packed.shape == x.shape and packed.bits == spec.bits
+            and packed.group_dim == spec.group_dim % x.dim()
+            and packed.group_size == spec.group_size and packed.backend == spec.backend)
+    return packed if same else None
+
+
 class ActivationQuantizer(nn.Module):
     """Holds one saved activation's spec and running estimates.
 
@@ -365,3 +387,31 @@ class ActivationQuantizer(nn.Module):
         with torch.no_grad():
             # lower gets its own storage: the saved Packed should not pin the span row too
             return pack(x.detach(), self.spec, cover[0].clone(), cover[1])
+
+    def pack_standardized(self, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+                          ) -> Packed:
+        """``pack((x - mean) * rstd)`` for one ``mean`` and ``rstd > 0`` per group, without
+        building that full-size fp32 tensor.
+
+        A per-group affine map commutes with per-group quantization: the range of the
+        normalized values is ``x``'s range mapped through it, and ``x`` quantized over that
+        range mapped back gives the normalized values' codes. BatchNorm saves its normalized
+        input this way; the full-size temporary was the largest tensor at its forward peak.
+        """
+        group_dim = self.spec.group_dim % x.dim()
+        groups = self.spec.num_groups(x.shape[group_dim])
+        if self.spec.group_size != 1 or mean.numel() != groups or rstd.numel() != groups:
+            raise ValueError(
+                f'pack_standardized needs one group per channel of dim {group_dim} and one '
+                f'mean and rstd per group; got group_size={self.spec.group_size}, {groups} '
+                f'groups, {mean.numel()} means, {rstd.numel()} rstds')
+        self._ensure_groups(groups, x.device)
+        with torch.no_grad():
+            mean, rstd = mean.reshape(-1).float(), rstd.reshape(-1).float()
+            lo, hi = group_min_max(x.detach(), group_dim, 1)
+            cover = ema_update(self.lower, self.span, self.seen, (lo - mean) * rstd,
+                               (hi - mean) * rstd, self.spec.ema_decay)
+            lower, span = cover[0].clone(), cover[1]
+            packed = pack(x.detach(), self.spec, mean + lower / rstd, span / rstd)
+            return replace(packed, lower=lower, scale=scale_from_span(
+                span, self.spec.bits), dtype=torch.float32)

@@ -222,3 +222,60 @@ def test_bit_packing_temporaries_are_a_fraction_of_the_mask():
     extra = tracker.get_tracker_snapshot('peak')[mask.device]['Total'] - mask.numel()
     assert extra <= mask.numel() / 4, extra / mask.numel()  # the packed bits plus one byte lane
     assert torch.equal(unpack_mask(packed, mask.shape), mask)
+
+
+@pytest.mark.parametrize('stochastic', [True, False])
+def test_pack_standardized_decodes_to_the_normalized_tensor(stochastic):
+    """``pack_standardized(x, mean, rstd)`` stands for ``pack((x - mean) * rstd)``: same ranges
+    and running estimates, codes within one step of the normalized values, unbiased rounding."""
+    gen = torch.Generator().manual_seed(3)
+    scales = torch.tensor([1e-3, 1.0, 50.0, 0.2]).view(1, 4, 1, 1)
+    x = torch.randn(3, 4, 9, 7, generator=gen) * scales + torch.tensor([5.0, -2, 0, 1e3]).view(
+        1, 4, 1, 1)
+    var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + 1e-5)
+    x_norm = (x - mean) * rstd
+    direct = ActivationQuantizer(spec(bits=8, group_dim=1, group_size=1, stochastic=stochastic))
+    fused = ActivationQuantizer(spec(bits=8, group_dim=1, group_size=1, stochastic=stochastic))
+    want = direct.pack(x_norm)
+    got = fused.pack_standardized(x, mean, rstd)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got.lower, want.lower, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.scale, want.scale, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(fused.lower, direct.lower, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused.span, direct.span, rtol=1e-5, atol=1e-5)
+    step = got.scale.view(1, 4, 1, 1)
+    error = unpack(got, torch.float32) - x_norm
+    assert (error.abs() <= step * (1.0 if stochastic else 0.5) + 1e-5).all()
+    if stochastic:  # the mean of many draws converges to the value
+        draws = torch.stack([unpack(fused.pack_standardized(x, mean, rstd), torch.float32)
+                             for _ in range(200)])
+        assert ((draws.mean(0) - x_norm).abs() <= step * 0.25).all()
+
+
+def test_pack_standardized_refuses_groups_it_cannot_map():
+    q = ActivationQuantizer(spec(bits=8, group_dim=1, group_size=2))
+    x = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match='one group per channel'):
+        q.pack_standardized(x, torch.zeros(1, 4, 1), torch.ones(1, 4, 1))
+
+
+def test_batchnorm_forward_makes_no_full_size_temporary():
+    """MesaBatchNorm's forward holds its input, its output and the codes: its normalized input
+    is packed straight from x (at Swin-T UPerNet's 512x512 peak that temporary was 64 MiB)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from mmseg_mesa import MesaConfig
+    from mmseg_mesa.layers.norm import MesaBatchNorm2d
+    bn = MesaBatchNorm2d(64, mesa_config=MesaConfig()).train()
+    x = torch.randn(8, 64, 96, 96)  # 18 MiB
+    size = x.numel() * x.element_size()
+    bn(x)  # the running estimates exist, as after the first step
+    tracker = MemTracker()
+    tracker.track_external(bn, x)
+    with tracker:
+        y = bn(x)
+    extra = tracker.get_tracker_snapshot('peak')[x.device]['Total'] - 2 * size - x.numel()
+    assert extra < size / 12, extra / size
+    assert torch.equal(y, torch.nn.functional.batch_norm(
+        x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps))

@@ -13,13 +13,20 @@ from ..saved import load, save
 from .base import MesaModule, no_autocast_backward
 
 
+def moments(x: torch.Tensor, dims: tuple[int, ...] | int, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 mean and exact ``rstd = 1 / sqrt(var + eps)`` over ``dims`` (kept dims)."""
+    with torch.no_grad():
+        var, mean = torch.var_mean(x.float(), dim=dims, correction=0, keepdim=True)
+        return mean, torch.rsqrt(var + eps)
+
+
 def normalized(x: torch.Tensor, dims: tuple[int, ...] | int, eps: float
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x - mean) * rstd`` in fp32 and the exact ``rstd`` over ``dims`` (what LayerNorm and
     GroupNorm keep for backward), computed without grad and with one full-size temporary."""
+    mean, rstd = moments(x, dims, eps)
     with torch.no_grad():
-        var, mean = torch.var_mean(x.float(), dim=dims, correction=0, keepdim=True)
-        rstd = torch.rsqrt(var + eps)
         return (x - mean).mul_(rstd), rstd  # fp32 by type promotion
 
 
@@ -120,9 +127,8 @@ class MesaBatchNormFunction(torch.autograd.Function):
         ctx.input_dtype = x.dtype
         ctx.eps = eps
         y = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
-        x_norm, invstd = normalized(x, (0, *range(2, x.dim())), eps)  # one temporary, not two
-        save(ctx, quantizer.pack(x_norm), invstd, weight, bias)
-        del x_norm
+        packed, invstd = pack_channel_normalized(x, eps, quantizer)
+        save(ctx, packed, invstd, weight, bias)
         return y
 
     @staticmethod
@@ -144,6 +150,21 @@ class MesaBatchNormFunction(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = sum_dy.flatten().to(bias.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def pack_channel_normalized(x: torch.Tensor, eps: float, quantizer: Any
+                            ) -> tuple[Any, torch.Tensor]:
+    """The packed ``(x - mean) * invstd`` over every dim but 1, and the exact ``invstd``.
+
+    An ``ActivationQuantizer`` packs it straight from ``x`` (``pack_standardized``: no
+    full-size temporary); other compressors (DIVISION) get the normalized tensor.
+    """
+    mean, invstd = moments(x, (0, *range(2, x.dim())), eps)
+    if isinstance(quantizer, ActivationQuantizer):
+        return quantizer.pack_standardized(x, mean, invstd), invstd
+    with torch.no_grad():
+        x_norm = (x - mean).mul_(invstd)
+    return quantizer.pack(x_norm), invstd
 
 
 def standardize(x_norm: torch.Tensor, dims: list[int], invstd: torch.Tensor,
