@@ -86,7 +86,8 @@ class MesaConfig:
             Defaults to ``'auto'``.
         layers: Layer types to compress, a subset of ``LAYER_TYPES``; ``'loss'`` makes decode
             heads keep only their low-resolution logits for the loss (exact recomputation, no
-            quantization). Defaults to all of them.
+            quantization) and UPerHead fuse its FPN outputs without holding them twice.
+            Defaults to all of them.
         skip: ``fnmatch`` patterns of qualified module names left unconverted. Defaults to ().
         compressor: ``'mesa'`` (the 8-bit quantizer) or ``'division'`` (DIVISION's low-pass copy
             plus a low-bit residual, see ``mmseg_mesa.division``) for every layer of a type in

@@ -83,22 +83,31 @@ def register_alias(module_type: type, handled_type: type) -> None:
 def handler_for_type(module_type: type) -> tuple[Handler | None, str | None]:
     """The handler for modules of ``module_type`` and, when it must not be used, why.
 
-    ``(None, None)`` means no class in the type's MRO has a handler.
+    The nearest handler along the MRO that the subclass rule allows is used; when none is,
+    the nearest one is returned with its reason. ``(None, None)`` means no class in the type's
+    MRO has a handler.
     """
     mro = module_type.__mro__
+    refused: tuple[Handler, str] | None = None  # the nearest handler the rule refused
     for depth, cls in enumerate(mro):
         handler = _HANDLERS.get(cls)
         if handler is None:
             continue
+        reason = None
         for sub in mro[:depth]:
             if sub in _ALIASES and issubclass(_ALIASES[sub], cls):
                 continue  # its overrides are vouched for (register_alias)
             overridden = [m for m in handler.replaces if m in vars(sub)]
             if overridden:
-                return handler, (f'{sub.__name__} overrides {", ".join(overridden)} of '
-                                 f'{cls.__name__}: its own forward would be lost')
-        return handler, None
-    return None, None
+                reason = (f'{sub.__name__} overrides {", ".join(overridden)} of '
+                          f'{cls.__name__}: its own forward would be lost')
+                break
+        if reason is None:
+            return handler, None
+        # A more general handler further up may still hold (a UPerHead subclass with its own
+        # _forward_feature keeps BaseDecodeHead's): it checks every class below it again.
+        refused = refused or (handler, reason)
+    return refused if refused is not None else (None, None)
 
 
 def find_handler(module: nn.Module) -> tuple[Handler | None, str | None]:

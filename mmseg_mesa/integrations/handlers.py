@@ -11,10 +11,12 @@ def register_openmmlab_handlers() -> None:
     from mmcv.cnn.bricks.drop import DropPath
     from mmseg.models.backbones.swin import WindowMSA
     from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+    from mmseg.models.decode_heads.uper_head import UPerHead
     from torch import nn
 
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .modules import MesaDecodeHead, MesaDropPath, MesaWindowMSA
+    from .uper_head import MesaUPerHead
 
     # mmcv's wrappers override forward only to special-case empty inputs on torch < 1.9
     # (obsolete_torch_version); on the torch we support they call the base's forward.
@@ -33,6 +35,10 @@ def register_openmmlab_handlers() -> None:
     # head with its own loss_by_feat (PointHead, DAHead, ...) is left by that rule.
     register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead),
                      replaces=('loss_by_feat',))
+    # UPerHead also fuses its FPN outputs without holding them twice; a subclass with its own
+    # _forward_feature falls back to the BaseDecodeHead handler above.
+    register_handler(UPerHead, 'loss', swap_to(MesaUPerHead),
+                     replaces=('loss_by_feat', '_forward_feature'))
 
 
 def functional_types() -> dict[type, str]:

@@ -1,0 +1,105 @@
+"""UPerHead whose FPN fusion never holds its concatenated features twice.
+
+mmseg's ``UPerHead._forward_feature`` keeps the ``laterals`` list alive through the bottleneck
+and builds the list of upsampled FPN outputs next to their concatenation. On Swin-T UPerNet at
+512x512 (batch 2) that list (4 x 64 MiB) next to the 256 MiB concatenation, plus 85 MiB of
+laterals, was the peak of the whole Mesa training step. ``MesaUPerHead`` runs the same modules
+and ops in the same order, but writes each FPN output into its channel slice of one buffer as
+soon as it exists and drops the laterals once they are used. The buffer holds exactly what
+``torch.cat`` returns and the gradients are the same slices, so forward and backward are
+unchanged.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from mmseg.models.decode_heads.uper_head import UPerHead
+from mmseg.models.utils import resize
+
+from .modules import MesaDecodeHead
+
+
+class WriteChannels(torch.autograd.Function):
+    """``buffer[:, start:start + piece.shape[1]] = piece`` in place: one step of a concatenation.
+
+    Backward passes ``grad`` on unchanged (every other piece reads only its own slice) and gives
+    ``piece`` its slice. ``copy_`` into a view would record ``CopySlices``, which clones the whole
+    gradient once per piece.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, buffer: torch.Tensor, piece: torch.Tensor, start: int) -> torch.Tensor:
+        ctx.start, ctx.stop, ctx.piece_dtype = start, start + piece.shape[1], piece.dtype
+        buffer[:, start:ctx.stop].copy_(piece)
+        ctx.mark_dirty(buffer)
+        return buffer
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad_piece = grad[:, ctx.start:ctx.stop].to(ctx.piece_dtype)
+        return (grad if ctx.needs_input_grad[0] else None), grad_piece, None
+
+
+def cat_memory_format(pieces: list[torch.Tensor]) -> torch.memory_format:
+    """The layout ``torch.cat`` gives 4-d inputs: channels-last only if all of them are."""
+    def channels_last(t: torch.Tensor) -> bool:
+        return (t.dim() == 4 and not t.is_contiguous()
+                and t.is_contiguous(memory_format=torch.channels_last))
+    if all(channels_last(p) for p in pieces):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def concat_channels(pieces: list[torch.Tensor | None], size: torch.Size,
+                    make: dict[int, Any]) -> torch.Tensor:
+    """``torch.cat(pieces, dim=1)`` where ``pieces[i]`` is replaced by ``make[i](pieces[i])``
+    (an upsampling) just before it is written, so that only one upsampled piece exists at a time.
+
+    ``pieces`` is emptied as it goes (its entries are the only references the caller keeps).
+    Dtype and values are ``torch.cat``'s: the buffer has the promoted dtype of all pieces.
+    """
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in pieces])
+    channels = [p.shape[1] for p in pieces]
+    first = pieces[0]
+    buffer = torch.empty((first.shape[0], sum(channels), *size), dtype=dtype,
+                         device=first.device, memory_format=cat_memory_format(pieces))
+    starts = [sum(channels[:i]) for i in range(len(pieces))]
+    # pieces[0] first (as mmseg keeps it), then the upsampled ones in mmseg's order (last first)
+    for i in [0, *sorted(make, reverse=True)]:
+        piece = pieces[i]
+        pieces[i] = None
+        if i in make:
+            piece = make[i](piece)
+        buffer = WriteChannels.apply(buffer, piece, starts[i])
+        del piece
+    return buffer
+
+
+class MesaUPerHead(MesaDecodeHead, UPerHead):
+    """``UPerHead`` with the banded loss of ``MesaDecodeHead`` and a lean FPN fusion."""
+
+    def _forward_feature(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        if not self.mesa_active(*inputs):
+            return super()._forward_feature(inputs)
+        # The steps of UPerHead._forward_feature (mmseg 1.2.2), in its order.
+        inputs = self._transform_inputs(inputs)
+        laterals = [conv(inputs[i]) for i, conv in enumerate(self.lateral_convs)]
+        laterals.append(self.psp_forward(inputs))
+        levels = len(laterals)
+        for i in range(levels - 1, 0, -1):
+            laterals[i - 1] = laterals[i - 1] + resize(
+                laterals[i], size=laterals[i - 1].shape[2:], mode='bilinear',
+                align_corners=self.align_corners)
+        fpn_outs: list[torch.Tensor | None] = []
+        for i in range(levels - 1):
+            fpn_outs.append(self.fpn_convs[i](laterals[i]))
+            laterals[i] = None  # used only here
+        fpn_outs.append(laterals.pop())
+        del laterals
+        size = fpn_outs[0].shape[2:]
+        upsample = functools.partial(resize, size=size, mode='bilinear',
+                                     align_corners=self.align_corners)
+        fused = concat_channels(fpn_outs, size, {i: upsample for i in range(1, levels)})
+        return self.fpn_bottleneck(fused)

@@ -1,0 +1,123 @@
+"""UPerHead's lean FPN fusion (``MesaUPerHead``): same forward and gradients, a lower peak."""
+import copy
+
+import pytest
+import torch
+from mmseg.models.decode_heads.uper_head import UPerHead
+from torch import nn
+
+from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.integrations.modules import MesaDecodeHead
+from mmseg_mesa.integrations.uper_head import MesaUPerHead, concat_channels
+from mmseg_mesa.registry import handler_for_type
+
+CHANNELS, SIZE = 16, 32
+
+
+def head_and_inputs(size=SIZE):
+    torch.manual_seed(0)
+    head = UPerHead(in_channels=[8, 16, 32, 64], channels=CHANNELS, num_classes=5,
+                    in_index=[0, 1, 2, 3], pool_scales=(1, 2, 3, 6)).train()
+    inputs = [torch.randn(2, c, size >> i, size >> i, requires_grad=True)
+              for i, c in enumerate([8, 16, 32, 64])]
+    return head, inputs
+
+
+def only_the_head(head):
+    """Convert only decode heads: every other module stays torch's, so the two heads must give
+    the same numbers bit for bit."""
+    convert_to_mesa(nn.ModuleList([head]), config=MesaConfig(layers=['loss']))
+    assert isinstance(head, MesaUPerHead)
+    return head
+
+
+def test_forward_and_gradients_are_unchanged():
+    reference, inputs = head_and_inputs()
+    head = only_the_head(copy.deepcopy(reference))
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    torch.manual_seed(1)  # the same Dropout2d mask in both
+    got = head(inputs)
+    torch.manual_seed(1)
+    want = reference(ref_inputs)
+    assert torch.equal(got, want)
+    grad = torch.randn_like(got)
+    got.backward(grad)
+    want.backward(grad)
+    for x, y in zip(inputs, ref_inputs):
+        assert torch.equal(x.grad, y.grad)
+    for (name, p), q in zip(head.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    head.eval()  # eval and no-grad forwards take mmseg's own path
+    reference.eval()
+    with torch.no_grad():
+        assert torch.equal(head(inputs), reference(inputs))
+
+
+def forward_peak(head, inputs):
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(head, *inputs)
+    with tracker:
+        out = head(inputs)
+    del out
+    return tracker.get_tracker_snapshot('peak')[inputs[0].device]['Total']
+
+
+def test_fusion_never_holds_the_upsampled_outputs_twice():
+    """With every layer compressed, what UPerHead's fusion holds is the forward's peak: the list
+    of upsampled FPN outputs next to their concatenation, and the laterals."""
+    size = 128  # large enough that the quantizer's minimum piece does not decide the peak
+    reference, inputs = head_and_inputs(size)
+    head = copy.deepcopy(reference)
+    convert_to_mesa(nn.ModuleList([head]), config=MesaConfig())
+    without = MesaConfig(layers=[t for t in MesaConfig().layers if t != 'loss'])
+    convert_to_mesa(nn.ModuleList([reference]), config=without)
+    assert isinstance(head, MesaUPerHead) and not isinstance(reference, MesaDecodeHead)
+    piece = 2 * CHANNELS * size * size * 4  # one full-resolution FPN output, fp32
+    saved = forward_peak(reference, inputs) - forward_peak(head, inputs)
+    assert saved >= 2.5 * piece, saved / piece  # measured: 2.8
+
+
+def test_concat_channels_is_torch_cat():
+    """Mixed dtypes and widths: the buffer is ``torch.cat``'s result, gradients its slices."""
+    pieces = [torch.randn(2, 3, 4, 4, requires_grad=True),
+              torch.randn(2, 5, 2, 2, dtype=torch.float16).requires_grad_(),
+              torch.randn(2, 1, 1, 1, dtype=torch.float64).requires_grad_()]
+    up = {1: lambda t: t.repeat_interleave(2, 2).repeat_interleave(2, 3),
+          2: lambda t: t.expand(-1, -1, 4, 4)}
+    want = torch.cat([pieces[0], *(up[i](pieces[i]) for i in (1, 2))], dim=1)
+    got = concat_channels(list(pieces), torch.Size((4, 4)), up)
+    assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+    grad = torch.randn_like(want)
+    expected = torch.autograd.grad(want, pieces, grad)
+    actual = torch.autograd.grad(got, pieces, grad)
+    for a, b in zip(actual, expected):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+class OwnFusionHead(UPerHead):
+    def _forward_feature(self, inputs):
+        return super()._forward_feature(inputs) * 2
+
+
+def test_a_subclass_with_its_own_fusion_keeps_it_and_the_banded_loss():
+    handler, reason = handler_for_type(OwnFusionHead)
+    assert reason is None and handler.replaces == ('loss_by_feat',)  # BaseDecodeHead's
+    torch.manual_seed(0)
+    head = OwnFusionHead(in_channels=[8, 16], channels=8, num_classes=3, in_index=[0, 1],
+                         pool_scales=(1, 2)).train()
+    reference = copy.deepcopy(head)
+    convert_to_mesa(nn.ModuleList([head]), config=MesaConfig(layers=['loss']))
+    assert isinstance(head, MesaDecodeHead) and not isinstance(head, MesaUPerHead)
+    inputs = [torch.randn(2, 8, 8, 8, requires_grad=True), torch.randn(2, 16, 4, 4)]
+    torch.manual_seed(1)
+    got = head(inputs)
+    torch.manual_seed(1)
+    assert torch.equal(got, reference(inputs))
+
+
+@pytest.mark.parametrize('layers', [['loss'], ['conv2d', 'batchnorm', 'relu']])
+def test_uperhead_is_converted_only_with_the_loss(layers):
+    head, _ = head_and_inputs()
+    convert_to_mesa(nn.ModuleList([head]), config=MesaConfig(layers=layers))
+    assert isinstance(head, MesaUPerHead) == ('loss' in layers)
