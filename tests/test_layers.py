@@ -169,3 +169,34 @@ def test_layernorm_gradients_hold_for_tokens_of_any_spread(bits):
     assert cosine(x.grad[:, 0], x2.grad[:, 0]) >= 0.9999
     # the weight gradient sums 2 x 32 tokens' noise: 4-bit codes measured 0.987 here
     assert cosine(ref.weight.grad, ours.weight.grad) >= (0.999 if bits == 8 else 0.98)
+
+
+def _attention_map_step(modify_map: bool = False):
+    """softmax then ``attn @ v`` (Mesa modules): the bytes saved, the gradients, and exact ones."""
+    from mmseg_mesa.layers.matmul import MesaMatMul
+    from mmseg_mesa.layers.softmax import MesaSoftmax
+    from mmseg_mesa.memory import count_saved_tensors
+    gen = torch.Generator().manual_seed(0)
+    scores, v, grad = (torch.randn(*shape, generator=gen)
+                       for shape in ((2, 4, 64, 64), (2, 4, 64, 16), (2, 4, 64, 16)))
+    softmax = MesaSoftmax(dim=-1, mesa_config=MesaConfig()).train()
+    av = MesaMatMul(mesa_config=MesaConfig()).train()
+    inputs = [scores.clone().requires_grad_(), v.clone().requires_grad_()]
+    with count_saved_tensors(nn.ModuleList([softmax, av])) as report:
+        attn = softmax(inputs[0] * 3)
+        if modify_map:
+            attn = attn.mul_(1.0)  # an in-place change: the softmax's codes no longer match
+        av(attn, inputs[1]).backward(grad)
+    exact = [scores.clone().requires_grad_(), v.clone().requires_grad_()]
+    (torch.softmax(exact[0] * 3, -1) @ exact[1]).backward(grad)
+    return report, [x.grad for x in inputs], [x.grad for x in exact]
+
+
+def test_attention_map_codes_are_saved_once_for_softmax_and_matmul():
+    report, grads, exact = _attention_map_step()
+    modified, _, _ = _attention_map_step(modify_map=True)
+    one_map = 2 * 4 * 64 * 64  # its uint8 codes
+    assert report.by_type['MesaSoftmax'] >= one_map
+    assert report.by_type['MesaMatMul'] < one_map / 2  # v's codes only: the map's were reused
+    assert modified.by_type['MesaMatMul'] >= one_map  # changed in place: packed again
+    assert cosine(grads[0], exact[0]) > 0.999 and cosine(grads[1], exact[1]) > 0.999

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer, Packed, attached_codes, unpack
 from ..saved import load, save
 from .base import MesaModule, autocast_cast, no_autocast_backward, sum_to
 
@@ -24,8 +24,8 @@ class MesaMatMulFunction(torch.autograd.Function):
         ctx.a_meta = (a.shape, a.dtype)
         ctx.b_meta = (b.shape, b.dtype)
         # grad of a needs b and vice versa.
-        packed_b = quant_b.pack(bc) if ctx.needs_input_grad[0] else None
-        packed_a = quant_a.pack(ac) if ctx.needs_input_grad[1] else None
+        packed_b = packed_operand(b, bc, quant_b) if ctx.needs_input_grad[0] else None
+        packed_a = packed_operand(a, ac, quant_a) if ctx.needs_input_grad[1] else None
         save(ctx, packed_a, packed_b)
         return y
 
@@ -36,12 +36,19 @@ class MesaMatMulFunction(torch.autograd.Function):
         grad = grad.to(ctx.compute_dtype)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = grad @ unpack(packed_b).transpose(-2, -1)
+            grad_a = grad @ unpack(packed_b, grad.dtype).transpose(-2, -1)
             grad_a = sum_to(grad_a, *ctx.a_meta)
         if ctx.needs_input_grad[1]:
-            grad_b = unpack(packed_a).transpose(-2, -1) @ grad
+            grad_b = unpack(packed_a, grad.dtype).transpose(-2, -1) @ grad
             grad_b = sum_to(grad_b, *ctx.b_meta)
         return grad_a, grad_b, None, None
+
+
+def packed_operand(x: torch.Tensor, cast: torch.Tensor, quantizer: ActivationQuantizer
+                   ) -> Packed:
+    """The codes a softmax already saved for ``x`` (an attention map; ``attach_codes``), else
+    ``cast`` (``x`` as autocast gives it to the matmul) packed by ``quantizer``."""
+    return attached_codes(x, quantizer.spec) or quantizer.pack(cast)
 
 
 class MatMul(nn.Module):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer, attach_codes, unpack
 from ..saved import load, save
 from .base import MesaModule, no_autocast_backward
 
@@ -21,7 +21,9 @@ class MesaSoftmaxFunction(torch.autograd.Function):
         ctx.input_dtype = x.dtype
         ctx.dim = dim
         y = F.softmax(x, dim)
-        save(ctx, quantizer.pack(y))
+        packed = quantizer.pack(y)
+        save(ctx, packed)
+        attach_codes(y, packed)  # attn @ v saves the same map: it reuses these codes
         return y
 
     @staticmethod
