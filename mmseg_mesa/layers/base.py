@@ -11,6 +11,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..division import DivisionCompressor, DivisionSpec
 from ..quantizer import ActivationQuantizer, QuantSpec
+from ..saved import save
 
 M = TypeVar('M', bound=nn.Module)
 _SWAPPED: dict[tuple[type, type], type] = {}
@@ -126,3 +127,22 @@ def sum_to(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.T
     if grad.shape != shape:
         grad = grad.sum_to_size(shape)
     return grad.to(dtype)
+
+
+def weighted_forward(ctx: Any, op: Callable[..., torch.Tensor], x: torch.Tensor,
+                     weight: torch.Tensor, bias: torch.Tensor | None, quantizer: Any
+                     ) -> torch.Tensor:
+    """``op(x, weight, bias)`` as autocast would run it, saving the packed input and the weight.
+
+    The forward of every layer whose backward reads its input only for the weight gradient
+    (Linear, Conv2d, ConvTranspose2d): the input is packed only when the weight needs a gradient.
+    Sets ``ctx.device_type``, ``ctx.input_dtype`` and ``ctx.compute_dtype`` for the backward.
+    """
+    ctx.device_type = x.device.type
+    ctx.input_dtype = x.dtype
+    xc, wc, bc = autocast_cast(x, weight, bias)
+    with torch.autocast(ctx.device_type, enabled=False):
+        y = op(xc, wc, bc)
+    ctx.compute_dtype = xc.dtype
+    save(ctx, quantizer.pack(xc) if ctx.needs_input_grad[1] else None, weight)
+    return y

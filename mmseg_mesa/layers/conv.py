@@ -9,8 +9,8 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
-from ..saved import load, save
-from .base import MesaModule, autocast_cast, no_autocast_backward
+from ..saved import load
+from .base import MesaModule, no_autocast_backward, weighted_forward
 
 
 def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> torch.Tensor:
@@ -29,22 +29,16 @@ class MesaConv2dFunction(torch.autograd.Function):
                 stride: tuple, padding: tuple, dilation: tuple, groups: int,
                 quantizer: ActivationQuantizer, explicit_pad: tuple | None = None,
                 pad_mode: str = 'zeros') -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
         ctx.conv_args = (stride, padding, dilation, groups)
         ctx.explicit_pad = (explicit_pad, pad_mode, x.shape) if explicit_pad else None
         if explicit_pad:
             # Reflect/replicate/circular padding: torch's pad would save the unpadded input in
             # full precision, so we pad here and undo it in backward.
             x = F.pad(x, explicit_pad, mode=pad_mode)
-        xc, wc, bc = autocast_cast(x, weight, bias)
-        with torch.autocast(ctx.device_type, enabled=False):
-            y = F.conv2d(xc, wc, bc, stride, padding, dilation, groups)
-        ctx.compute_dtype = xc.dtype
         ctx.input_shape = x.shape
-        packed = quantizer.pack(xc) if ctx.needs_input_grad[1] else None
-        save(ctx, packed, weight)
-        return y
+        return weighted_forward(
+            ctx, lambda xc, wc, bc: F.conv2d(xc, wc, bc, stride, padding, dilation, groups),
+            x, weight, bias, quantizer)
 
     @staticmethod
     @no_autocast_backward

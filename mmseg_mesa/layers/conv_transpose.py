@@ -9,8 +9,8 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
-from ..saved import load, save
-from .base import MesaModule, autocast_cast, no_autocast_backward
+from ..saved import load
+from .base import MesaModule, no_autocast_backward, weighted_forward
 
 
 class MesaConvTranspose2dFunction(torch.autograd.Function):
@@ -27,16 +27,11 @@ class MesaConvTranspose2dFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: tuple, padding: tuple, output_padding: tuple, groups: int,
                 dilation: tuple, quantizer: ActivationQuantizer) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
         ctx.conv_args = (stride, padding, dilation, groups)
-        xc, wc, bc = autocast_cast(x, weight, bias)
-        with torch.autocast(ctx.device_type, enabled=False):
-            y = F.conv_transpose2d(xc, wc, bc, stride, padding, output_padding, groups, dilation)
-        ctx.compute_dtype = xc.dtype
-        packed = quantizer.pack(xc) if ctx.needs_input_grad[1] else None
-        save(ctx, packed, weight)
-        return y
+        return weighted_forward(
+            ctx, lambda xc, wc, bc: F.conv_transpose2d(xc, wc, bc, stride, padding,
+                                                       output_padding, groups, dilation),
+            x, weight, bias, quantizer)
 
     @staticmethod
     @no_autocast_backward
@@ -46,12 +41,13 @@ class MesaConvTranspose2dFunction(torch.autograd.Function):
         w = weight.to(ctx.compute_dtype)
         stride, padding, dilation, groups = ctx.conv_args
         grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            # first, so the decoded fp32 input is freed before grad_x is made
+            grad_w = torch.nn.grad.conv2d_weight(grad, w.shape, unpack(packed), *ctx.conv_args)
+            grad_w = grad_w.to(weight.dtype)
         if ctx.needs_input_grad[0]:
             grad_x = F.conv2d(grad, w, None, stride, padding, dilation, groups)
             grad_x = grad_x.to(ctx.input_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.nn.grad.conv2d_weight(grad, w.shape, unpack(packed), *ctx.conv_args)
-            grad_w = grad_w.to(weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad.sum((0, 2, 3)).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
-from ..saved import load, save
-from .base import MesaModule, autocast_cast, no_autocast_backward
+from ..saved import load
+from .base import MesaModule, no_autocast_backward, weighted_forward
 
 
 class MesaLinearFunction(torch.autograd.Function):
@@ -18,15 +18,7 @@ class MesaLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
-        xc, wc, bc = autocast_cast(x, weight, bias)
-        with torch.autocast(ctx.device_type, enabled=False):
-            y = F.linear(xc, wc, bc)
-        ctx.compute_dtype = xc.dtype
-        packed = quantizer.pack(xc) if ctx.needs_input_grad[1] else None
-        save(ctx, packed, weight)
-        return y
+        return weighted_forward(ctx, F.linear, x, weight, bias, quantizer)
 
     @staticmethod
     @no_autocast_backward
