@@ -32,14 +32,6 @@ SETTLED_SQNR_DB = 35.0
 IDS = [c.name for c in CASES]
 
 
-
-
-
-
-
-
-
-
 @pytest.mark.parametrize('case', CASES, ids=IDS)
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('train', [True, False])
@@ -49,8 +41,6 @@ def test_forward_is_bit_identical(case, dtype, train):
     ours.train(train)
     xs = case.inputs(dtype)
     assert torch.equal(run(ref, xs), run(ours, clones(xs)))
-
-
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
@@ -99,8 +89,6 @@ def test_gradients_after_running_estimates_settle(name, make, inputs, floor):
             assert sqnr_db(expected, got) >= floor, step
         ref.zero_grad()
         ours.zero_grad()
-
-
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)

@@ -106,14 +106,6 @@ CASES = [
 IDS = [c.name for c in CASES]
 
 
-
-
-
-
-
-
-
-
 def backward_all(case, ref, ours, dtype=torch.float32):
     """Gradients of torch's module, of ours, and of torch's in float64 (on the same values)."""
     xs = case.inputs(dtype)
@@ -128,8 +120,6 @@ def backward_all(case, ref, ours, dtype=torch.float32):
     params = [(p.grad, q.grad, r.grad)
               for p, q, r in zip(ref.parameters(), ours.parameters(), ref64.parameters())]
     return inputs, params
-
-
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)

@@ -96,7 +96,6 @@ def test_benchmark_memory_rejects_bad_modes(bad, capsys):
     assert 'invalid mode' in capsys.readouterr().err
 
 
-
 def test_conv_backward_never_holds_the_decoded_input_and_its_gradient_at_once():
     from torch.distributed._tools.mem_tracker import MemTracker
     torch.manual_seed(0)

@@ -206,7 +206,6 @@ def test_torch_path_temporaries_are_a_small_fraction_of_the_activation(bits):
     assert extra < size / 12, extra / size
 
 
-
 def test_bit_packing_temporaries_are_a_fraction_of_the_mask():
     """A 1-bit mask of a large activation (ReLU, Dropout) is packed without widening its codes:
     the int32 lanes it used cost 8 bytes per element, 176 MB for one mask of Swin-T UPerNet's
