@@ -42,10 +42,10 @@ def test_unknown_preset_names_the_presets():
 def test_max_saving_policy_per_layer():
     model = Block()
     convert_to_mesa(model, config=MesaConfig.preset('max-saving'))
-    # 4-bit codes for the normalized inputs of norm layers only; 8 bits elsewhere
+    # 4-bit codes for LayerNorm's normalized input only; 8 bits elsewhere (BatchNorm too)
     for name in ('stem', 'head', 'bn', 'fc', 'gelu', 'norm', 'softmax'):
         assert isinstance(quantizer(model, name), ActivationQuantizer), name
-        assert quantizer(model, name).spec.bits == (4 if name in ('bn', 'norm') else 8), name
+        assert quantizer(model, name).spec.bits == (4 if name == 'norm' else 8), name
 
 
 def test_division_by_layer_type():
