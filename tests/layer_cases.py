@@ -98,6 +98,14 @@ def upstream_grad(y):
     return torch.randn(y.shape, generator=gen).to(y.dtype)
 
 
+def backward_both(*outputs):
+    """Backpropagate one upstream gradient (``upstream_grad`` of the first) through every
+    output, so torch's module and ours are compared on the same gradient."""
+    grad = upstream_grad(outputs[0])
+    for y in outputs:
+        y.backward(grad.to(y.dtype))
+
+
 def clones(xs):
     return [x.detach().clone().requires_grad_() for x in xs]
 
@@ -138,9 +146,7 @@ def check_autocast(case: Case) -> None:
     with torch.autocast('cpu', dtype=torch.bfloat16):
         y, y2 = run(ref, xs), run(ours, xs2)
     assert y.dtype == y2.dtype and torch.equal(y, y2)
-    grad = upstream_grad(y)
-    y.backward(grad)
-    y2.backward(grad)
+    backward_both(y, y2)
     for expected, got in grad_pairs(ref, ours, xs, xs2):
         assert got.dtype == expected.dtype
         assert cosine(expected, got) >= 0.99

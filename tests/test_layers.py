@@ -14,6 +14,7 @@ import torch
 from conftest import cosine, sqnr_db
 from layer_cases import (
     CASES,
+    backward_both,
     check_autocast,
     check_disabled_and_eval,
     clones,
@@ -21,7 +22,6 @@ from layer_cases import (
     pair,
     run,
     saved_bytes,
-    upstream_grad,
 )
 from torch import nn
 
@@ -50,9 +50,7 @@ def test_gradients_match(case, dtype):
     xs = case.inputs(dtype)
     xs2 = clones(xs)
     y, y2 = run(ref, xs), run(ours, xs2)
-    grad = upstream_grad(y)
-    y.backward(grad)
-    y2.backward(grad)
+    backward_both(y, y2)
     for expected, got in grad_pairs(ref, ours, xs, xs2):
         assert got is not None and got.dtype == expected.dtype and got.shape == expected.shape
         if case.exact_grad:
@@ -82,9 +80,7 @@ def test_gradients_after_running_estimates_settle(name, make, inputs, floor):
         xs = [x.requires_grad_() for x in inputs()]
         xs2 = clones(xs)
         y, y2 = run(ref, xs, step), run(ours, xs2, step)
-        grad = upstream_grad(y)
-        y.backward(grad)
-        y2.backward(grad)
+        backward_both(y, y2)
         for expected, got in grad_pairs(ref, ours, xs, xs2):
             assert sqnr_db(expected, got) >= floor, step
         ref.zero_grad()
@@ -147,9 +143,7 @@ def test_layernorm_gradients_hold_for_tokens_of_any_spread(bits):
     x2 = clones([x])[0]
     y, y2 = ref(x), ours(x2)
     assert torch.equal(y, y2)
-    grad = upstream_grad(y)
-    y.backward(grad)
-    y2.backward(grad)
+    backward_both(y, y2)
     floor = 0.999 if bits == 8 else 0.99
     for token in range(1, 32):
         assert cosine(x.grad[:, token], x2.grad[:, token]) >= floor, token

@@ -13,6 +13,7 @@ import torch
 from conftest import cosine, sqnr_db
 from layer_cases import (
     Case,
+    backward_both,
     check_autocast,
     check_disabled_and_eval,
     clones,
@@ -248,9 +249,7 @@ def test_inplace_activations_modify_their_input(make, cls, exact):
     h, h2 = x * 1.0, x2 * 1.0
     y, y2 = ref(h), ours(h2)
     assert y2 is h2 and torch.equal(y, y2)
-    grad = upstream_grad(y)
-    y.backward(grad)
-    y2.backward(grad)
+    backward_both(y, y2)
     if exact:
         assert torch.equal(x.grad, x2.grad)
     else:
@@ -282,9 +281,7 @@ def test_conv_transpose_output_size_argument():
     x2 = clones([x])[0]
     y, y2 = ref(x, output_size=[10, 12]), ours(x2, output_size=[10, 12])
     assert y.shape == (2, 3, 10, 12) and torch.equal(y, y2)
-    grad = upstream_grad(y)
-    y.backward(grad)
-    y2.backward(grad)
+    backward_both(y, y2)
     assert sqnr_db(x.grad, x2.grad) >= SQNR_FLOOR_DB
     assert sqnr_db(ref.weight.grad, ours.weight.grad) >= SQNR_FLOOR_DB
 
@@ -303,9 +300,7 @@ def test_groupnorm_gradients_hold_for_groups_of_any_spread(bits):
     x2 = clones([x])[0]
     y, y2 = ref(x), ours(x2)
     assert torch.equal(y, y2)
-    grad = upstream_grad(y)
-    y.backward(grad)
-    y2.backward(grad)
+    backward_both(y, y2)
     floor = 0.999 if bits == 8 else 0.99
     for group in range(8):
         channels = slice(4 * group, 4 * group + 4)
@@ -324,9 +319,7 @@ def test_running_estimates_settle():
             x = (torch.randn(shape) * scale + 0.1 * step).requires_grad_()
             x2 = clones([x])[0]
             y, y2 = reference(x), model(x2)
-            grad = upstream_grad(y)
-            y.backward(grad)
-            y2.backward(grad)
+            backward_both(y, y2)
             assert sqnr_db(x.grad, x2.grad) >= SQNR_FLOOR_DB, (make, step)
 
 
