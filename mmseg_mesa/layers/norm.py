@@ -159,11 +159,11 @@ def pack_channel_normalized(x: torch.Tensor, eps: float, quantizer: Any
     An ``ActivationQuantizer`` packs it straight from ``x`` (``pack_standardized``: no
     full-size temporary); other compressors (DIVISION) get the normalized tensor.
     """
-    mean, invstd = moments(x, (0, *range(2, x.dim())), eps)
+    dims = (0, *range(2, x.dim()))
     if isinstance(quantizer, ActivationQuantizer):
+        mean, invstd = moments(x, dims, eps)
         return quantizer.pack_standardized(x, mean, invstd), invstd
-    with torch.no_grad():
-        x_norm = (x - mean).mul_(invstd)
+    x_norm, invstd = normalized(x, dims, eps)
     return quantizer.pack(x_norm), invstd
 
 
