@@ -83,10 +83,11 @@ def test_concat_channels_is_torch_cat():
     pieces = [torch.randn(2, 3, 4, 4, requires_grad=True),
               torch.randn(2, 5, 2, 2, dtype=torch.float16).requires_grad_(),
               torch.randn(2, 1, 1, 1, dtype=torch.float64).requires_grad_()]
-    up = {1: lambda t: t.repeat_interleave(2, 2).repeat_interleave(2, 3),
-          2: lambda t: t.expand(-1, -1, 4, 4)}
-    want = torch.cat([pieces[0], *(up[i](pieces[i]) for i in (1, 2))], dim=1)
-    got = concat_channels(list(pieces), torch.Size((4, 4)), up)
+    def up(t):
+        return t.repeat_interleave(4 // t.shape[2], 2).repeat_interleave(4 // t.shape[3], 3)
+
+    want = torch.cat([pieces[0], *(up(p) for p in pieces[1:])], dim=1)
+    got = concat_channels(list(pieces), up)
     assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
     grad = torch.randn_like(want)
     expected = torch.autograd.grad(want, pieces, grad)

@@ -12,6 +12,7 @@ unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,26 +53,26 @@ def cat_memory_format(pieces: list[torch.Tensor]) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def concat_channels(pieces: list[torch.Tensor | None], size: torch.Size,
-                    make: dict[int, Any]) -> torch.Tensor:
-    """``torch.cat(pieces, dim=1)`` where ``pieces[i]`` is replaced by ``make[i](pieces[i])``
-    (an upsampling) just before it is written, so that only one upsampled piece exists at a time.
+def concat_channels(pieces: list[torch.Tensor | None],
+                    upsample: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``torch.cat([pieces[0], *map(upsample, pieces[1:])], dim=1)`` with only one upsampled
+    piece alive at a time: each is upsampled just before it is written, last first (mmseg's
+    order), into one buffer of ``pieces[0]``'s spatial size.
 
     ``pieces`` is emptied as it goes (its entries are the only references the caller keeps).
-    Dtype and values are ``torch.cat``'s: the buffer has the promoted dtype of all pieces.
+    Dtype, layout and values are ``torch.cat``'s: the buffer has the promoted dtype of all pieces.
     """
     dtype = functools.reduce(torch.promote_types, [p.dtype for p in pieces])
     channels = [p.shape[1] for p in pieces]
     first = pieces[0]
-    buffer = torch.empty((first.shape[0], sum(channels), *size), dtype=dtype,
+    buffer = torch.empty((first.shape[0], sum(channels), *first.shape[2:]), dtype=dtype,
                          device=first.device, memory_format=cat_memory_format(pieces))
     starts = [sum(channels[:i]) for i in range(len(pieces))]
-    # pieces[0] first (as mmseg keeps it), then the upsampled ones in mmseg's order (last first)
-    for i in [0, *sorted(make, reverse=True)]:
+    for i in [0, *range(len(pieces) - 1, 0, -1)]:
         piece = pieces[i]
         pieces[i] = None
-        if i in make:
-            piece = make[i](piece)
+        if i:
+            piece = upsample(piece)
         buffer = WriteChannels.apply(buffer, piece, starts[i])
         del piece
     return buffer
@@ -98,8 +99,6 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
             laterals[i] = None  # used only here
         fpn_outs.append(laterals.pop())
         del laterals
-        size = fpn_outs[0].shape[2:]
-        upsample = functools.partial(resize, size=size, mode='bilinear',
+        upsample = functools.partial(resize, size=fpn_outs[0].shape[2:], mode='bilinear',
                                      align_corners=self.align_corners)
-        fused = concat_channels(fpn_outs, size, {i: upsample for i in range(1, levels)})
-        return self.fpn_bottleneck(fused)
+        return self.fpn_bottleneck(concat_channels(fpn_outs, upsample))
