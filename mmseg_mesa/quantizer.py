@@ -28,8 +28,8 @@ from . import _backend
 from .bitpack import pack_bits, unpack_bits
 from .rounding import reset_rounding_generators, rounding_generator
 
-__all__ = ['ActivationQuantizer', 'Packed', 'QuantSpec', 'pack', 'reset_rounding_generators',
-           'rounding_generator', 'unpack']
+__all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'pack',
+           'reset_rounding_generators', 'rounding_generator', 'sample_range', 'unpack']
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,38 @@ class Packed:
     @classmethod
     def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> Packed:
         return cls(*tensors, *meta)
+
+
+@dataclass
+class Mapped:
+    """The codes of ``x`` standing for ``fn(x)``, an element-wise function of it.
+
+    A GELU saves its input's codes for its own backward; the next Linear needs the GELU's output,
+    which is ``gelu`` of that input. Saving it as the same codes (``attach_codes``) costs no
+    memory; ``restore`` decodes and applies ``fn`` in fp32.
+    """
+
+    source: Packed
+    fn: Callable[[torch.Tensor], torch.Tensor]  # element-wise, fp32 in and out
+    dtype: torch.dtype  # of the tensor it stands for
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.source.shape
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.source.tensors()
+
+    def meta(self) -> tuple:
+        return self.source.meta(), self.fn, self.dtype
+
+    @classmethod
+    def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> Mapped:
+        source_meta, fn, dtype = meta
+        return cls(Packed.rebuild(tensors, source_meta), fn, dtype)
+
+    def restore(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.fn(unpack(self.source, torch.float32)).to(dtype or self.dtype)
 
 
 def channel_view(per_group: torch.Tensor, channels: int, group_size: int, group_dim: int,
@@ -316,26 +348,59 @@ def unpack(packed: Packed | Any, dtype: torch.dtype | None = None) -> torch.Tens
                              packed.group_dim, packed.group_size, dtype or packed.dtype)
 
 
-def attach_codes(x: torch.Tensor, packed: Packed) -> None:
-    """Offer ``packed`` (the codes of ``x`` itself) to the next layer that saves ``x``.
+def sample_range(packed: Packed | Any, start: int, stop: int) -> Any:
+    """The codes of ``x[start:stop]`` (along dim 0) as a ``Packed`` (or ``Mapped``) of their own,
+    sharing its storage, so a backward can decode a large input a few samples at a time.
 
-    An attention map is saved by its softmax and again by ``attn @ v``; with the codes attached
-    to the map, one copy serves both (``attached_codes``).
+    None where the samples are no whole-byte range of the data: another compressor's result,
+    groups along dim 0, or sub-byte codes whose samples end inside a byte.
+    """
+    if hasattr(type(packed), 'sample_range'):  # codes of a layer's own kind (FusedCodes)
+        return packed.sample_range(start, stop)
+    if isinstance(packed, Mapped):
+        source = sample_range(packed.source, start, stop)
+        return None if source is None else replace(packed, source=source)
+    if not isinstance(packed, Packed) or packed.group_dim == 0 or len(packed.shape) < 2:
+        return None
+    per_sample = packed.shape[1:].numel()
+    if packed.bits == 8:
+        data = packed.data.view(packed.shape)[start:stop]
+    elif per_sample * packed.bits % 8 == 0:
+        row_bytes = per_sample * packed.bits // 8
+        data = packed.data[start * row_bytes:stop * row_bytes]
+    else:
+        return None
+    return replace(packed, data=data, shape=torch.Size((stop - start, *packed.shape[1:])))
+
+
+def attach_codes(x: torch.Tensor, packed: Packed | Mapped) -> None:
+    """Offer ``packed`` (codes that decode to ``x``) to the next layer that saves ``x``.
+
+    An attention map is saved by its softmax and again by ``attn @ v``; a GELU's input is saved by
+    the GELU, and its output by the next Linear. With the codes attached to the tensor, one copy
+    serves both (``attached_codes``).
     """
     x._mesa_codes = (packed, x._version)  # type: ignore[attr-defined]
 
 
-def attached_codes(x: torch.Tensor, spec: QuantSpec) -> Packed | None:
+def attached_codes(x: torch.Tensor, spec: QuantSpec,
+                   dtype: torch.dtype | None = None) -> Packed | Mapped | None:
     """The codes ``attach_codes`` left on ``x`` when they are what ``spec`` would store (same
-    bits, groups and backend) and ``x`` has not been modified in place since; else None."""
+    bits, groups and backend) and ``x`` has not been modified in place since; else None.
+
+    ``dtype`` is what they decode to (the layer's compute dtype; ``x``'s by default).
+    """
     found = getattr(x, '_mesa_codes', None)
     if found is None:
         return None
     packed, version = found
-    same = (version == x._version and packed.shape == x.shape and packed.bits == spec.bits
-            and packed.group_dim == spec.group_dim % x.dim()
-            and packed.group_size == spec.group_size and packed.backend == spec.backend)
-    return packed if same else None
+    codes = packed.source if isinstance(packed, Mapped) else packed
+    same = (version == x._version and codes.shape == x.shape and codes.bits == spec.bits
+            and codes.group_dim == spec.group_dim % x.dim()
+            and codes.group_size == spec.group_size and codes.backend == spec.backend)
+    if not same:
+        return None
+    return packed if dtype in (None, packed.dtype) else replace(packed, dtype=dtype)
 
 
 class ActivationQuantizer(nn.Module):

@@ -14,7 +14,7 @@ import torch
 
 from .bitpack import pack_mask, unpack_mask
 from .division import DivisionPacked
-from .quantizer import Packed
+from .quantizer import Mapped, Packed
 
 
 @dataclass
@@ -32,7 +32,7 @@ class PackedMask:
         return unpack_mask(self.data, self.shape)
 
 
-Saveable = torch.Tensor | Packed | DivisionPacked | PackedMask | None
+Saveable = torch.Tensor | Packed | Mapped | DivisionPacked | PackedMask | None
 
 
 def save(ctx: Any, *items: Saveable) -> None:
@@ -40,7 +40,7 @@ def save(ctx: Any, *items: Saveable) -> None:
     flat: list[torch.Tensor | None] = []
     layout: list[tuple] = []
     for item in items:
-        if isinstance(item, (Packed, DivisionPacked)):
+        if isinstance(item, (Packed, Mapped, DivisionPacked)) or hasattr(type(item), 'rebuild'):
             tensors = item.tensors()
             layout.append((type(item), len(tensors), item.meta()))
             flat.extend(tensors)

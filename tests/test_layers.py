@@ -25,7 +25,7 @@ from layer_cases import (
 )
 from torch import nn
 
-from mmseg_mesa import MesaConfig, MesaLayerNorm, MesaLinear, MesaReLU
+from mmseg_mesa import MesaConfig, MesaLayerNorm, MesaLinear, MesaReLU, convert_to_mesa
 
 FIRST_STEP_SQNR_DB = 35.0
 SETTLED_SQNR_DB = 35.0
@@ -182,3 +182,48 @@ def test_attention_map_codes_are_saved_once_for_softmax_and_matmul():
     assert report.by_type['MesaMatMul'] < one_map / 2  # v's codes only: the map's were reused
     assert modified.by_type['MesaMatMul'] >= one_map  # changed in place: packed again
     assert cosine(grads[0], exact[0]) > 0.999 and cosine(grads[1], exact[1]) > 0.999
+
+
+def _ffn_step(modify_hidden=False):
+    """fc1 -> GELU -> fc2 of a transformer MLP, converted, one step; saved bytes by type."""
+    from mmseg_mesa.memory import count_saved_tensors
+    torch.manual_seed(0)
+    exact = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+    model = copy.deepcopy(exact)
+    convert_to_mesa(model, config=MesaConfig())
+    x = torch.randn(4, 64, 32)
+    with count_saved_tensors(model) as report:
+        hidden = model[1](model[0](x))
+        if modify_hidden:
+            hidden = hidden.mul_(1.0)  # an in-place change: the GELU's codes no longer match
+        model[2](hidden).sum().backward()
+    exact(x).sum().backward()
+    return report, model, exact
+
+
+def test_linear_after_gelu_saves_its_input_as_the_gelus_codes():
+    """fc2's input is gelu(fc1's output): the codes GELU keeps of its input serve both, and fc2
+    decodes gelu() of them. Gradients stay as close as with codes of its own."""
+    report, model, exact = _ffn_step()
+    modified, model_own, _ = _ffn_step(modify_hidden=True)
+    hidden = 4 * 64 * 128  # uint8 codes of the hidden features
+    assert report.by_type['GELU'] >= hidden
+    assert report.by_type['Linear'] < hidden / 2  # fc1's input only (weights are not counted)
+    assert modified.by_type['Linear'] >= hidden  # changed in place: fc2 packed its own
+    for shared, own, want in zip(model.parameters(), model_own.parameters(),
+                                 exact.parameters()):
+        assert cosine(shared.grad, want.grad) > 0.9999
+        error = (shared.grad - want.grad).norm() / want.grad.norm()
+        assert error < 2 * (own.grad - want.grad).norm() / want.grad.norm() + 1e-4
+
+
+def test_mapped_codes_decode_to_the_function_of_the_codes():
+    from mmseg_mesa.quantizer import ActivationQuantizer, Mapped, QuantSpec, sample_range, unpack
+    x = torch.randn(3, 5, 8)
+    packed = ActivationQuantizer(QuantSpec(bits=8, group_dim=-1, group_size=1)).pack(x)
+    mapped = Mapped(packed, torch.nn.functional.gelu, torch.bfloat16)
+    decoded = unpack(mapped)
+    assert decoded.dtype == torch.bfloat16 and decoded.shape == x.shape
+    want = torch.nn.functional.gelu(unpack(packed, torch.float32))
+    assert torch.equal(decoded, want.bfloat16())
+    assert torch.equal(unpack(sample_range(mapped, 1, 3)), want[1:3].bfloat16())

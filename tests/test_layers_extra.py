@@ -44,6 +44,7 @@ from mmseg_mesa import (
     convert_to_mesa,
 )
 from mmseg_mesa.memory import count_saved_tensors
+from mmseg_mesa.quantizer import reset_rounding_generators
 
 SQNR_FLOOR_DB = 35.0
 
@@ -363,3 +364,39 @@ def test_layer_bits_reach_the_new_layers():
     x = torch.randn(2, 4, 6, 6, requires_grad=True)
     model(x).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize('bits', [8, 4])
+def test_conv_weight_gradient_decodes_a_large_input_by_samples(monkeypatch, bits):
+    """Above ``DECODE_CHUNK_BYTES`` the weight gradient is summed over chunks of samples: the
+    same gradient up to float summation order, and backward never holds the whole decoded input
+    (a full fp32 copy of the bottleneck input was the peak of Swin-T UPerNet's backward)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import mmseg_mesa.layers.base as base
+    from mmseg_mesa.layers.conv import MesaConv2d
+
+    torch.manual_seed(0)
+    conv = MesaConv2d(64, 8, 3, padding=1, mesa_config=MesaConfig(bits=bits)).train()
+    x = torch.randn(4, 64, 64, 64)  # 4 MiB fp32; no input gradient, whose own peak is as large
+    size = x.numel() * x.element_size()
+    grad = torch.randn(4, 8, 64, 64)
+
+    def weight_grad(chunk_bytes):
+        monkeypatch.setattr(base, 'DECODE_CHUNK_BYTES', chunk_bytes)
+        layer = copy.deepcopy(conv)  # the same running estimates
+        reset_rounding_generators()  # and the same rounding draws
+        y = layer(x)
+        tracker = MemTracker()
+        tracker.track_external(layer, x, y, grad)
+        with tracker:
+            y.backward(grad)
+        del y
+        return layer.weight.grad, tracker.get_tracker_snapshot('peak')[x.device]['Total']
+
+    whole, whole_peak = weight_grad(1 << 40)
+    chunked, chunked_peak = weight_grad(size // 4)
+    # Sums of 16384 products, in another order: float rounding only.
+    assert (chunked - whole).norm() <= 1e-5 * whole.norm()
+    # One sample's decoded input instead of all four: at least half the input's size saved.
+    assert whole_peak - chunked_peak >= size / 2, (whole_peak - chunked_peak) / size

@@ -1,6 +1,7 @@
 """GELU (8-bit saved input) and ReLU (1-bit saved mask)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer, Mapped, Packed, attach_codes, unpack
 from ..saved import PackedMask, load, save
 from .base import MesaModule, no_autocast_backward
 
@@ -38,7 +39,11 @@ class MesaGELUFunction(torch.autograd.Function):
         ctx.input_dtype = x.dtype
         ctx.approximate = approximate
         y = F.gelu(x, approximate=approximate)
-        save(ctx, quantizer.pack(x))
+        packed = quantizer.pack(x)
+        save(ctx, packed)
+        if isinstance(packed, Packed):  # the next Linear saves y as these codes
+            attach_codes(y, Mapped(packed, functools.partial(F.gelu, approximate=approximate),
+                                   y.dtype))
         return y
 
     @staticmethod
@@ -76,7 +81,8 @@ class MesaReLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (mask,) = load(ctx)
-        return grad * mask.unpack().to(grad.dtype), None
+        # torch's threshold_backward: no float copy of the mask
+        return torch.where(mask.unpack(), grad, 0), None
 
 
 class MesaReLU(MesaModule, nn.ReLU):

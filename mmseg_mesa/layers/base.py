@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..division import DivisionCompressor, DivisionSpec
-from ..quantizer import ActivationQuantizer, QuantSpec
+from ..quantizer import ActivationQuantizer, QuantSpec, attached_codes, sample_range, unpack
 from ..saved import save
 
 M = TypeVar('M', bound=nn.Module)
@@ -144,5 +144,55 @@ def weighted_forward(ctx: Any, op: Callable[..., torch.Tensor], x: torch.Tensor,
     with torch.autocast(ctx.device_type, enabled=False):
         y = op(xc, wc, bc)
     ctx.compute_dtype = xc.dtype
-    save(ctx, quantizer.pack(xc) if ctx.needs_input_grad[1] else None, weight)
+    packed = None
+    if ctx.needs_input_grad[1]:
+        packed = attached_codes(x, quantizer.spec, xc.dtype) or quantizer.pack(xc)
+    save(ctx, packed, weight)
     return y
+
+
+# Backward works through a large tensor a few samples at a time once a full-size temporary
+# would be larger than this: a weight gradient decodes its saved input by samples, a channel sum
+# of products multiplies by samples (Swin-T UPerNet at 512x512, batch 2: the bottleneck input
+# decoded whole was 256 MiB fp32 at the peak of backward).
+DECODE_CHUNK_BYTES = 32 << 20
+
+
+def sample_slices(shape: torch.Size, element_bytes: int) -> list[slice]:
+    """Consecutive slices of dim 0 whose full-size temporaries stay under
+    ``DECODE_CHUNK_BYTES`` (one slice when the whole tensor does, at least one sample each)."""
+    if len(shape) < 2:
+        return [slice(None)]
+    samples = shape[0]
+    chunks = min(samples, -(-shape.numel() * element_bytes // DECODE_CHUNK_BYTES))
+    step = -(-samples // max(chunks, 1))
+    return [slice(start, min(start + step, samples)) for start in range(0, samples, step)]
+
+
+def summed_over_samples(packed: Any, product: Callable[[torch.Tensor, slice], torch.Tensor]
+                        ) -> torch.Tensor:
+    """``product(unpack(packed), slice(None))`` for a product that is a sum over samples (a
+    weight gradient), computed as the fp32 sum of ``product(x[rows], rows)`` over chunks of rows
+    when the input is large. ``rows`` is what the caller slices the gradient with."""
+    if not hasattr(packed, 'shape') or len(packed.shape) < 2:
+        return product(unpack(packed), slice(None))
+    slices = sample_slices(packed.shape, torch.finfo(packed.dtype).bits // 8)
+    parts = [sample_range(packed, rows.start, rows.stop) for rows in slices]
+    if len(slices) < 2 or any(part is None for part in parts):
+        return product(unpack(packed), slice(None))
+    total: torch.Tensor | None = None
+    for rows, part in zip(slices, parts):
+        value = product(unpack(part), rows).float()
+        total = value if total is None else total.add_(value)
+        del value
+    return total
+
+
+def channel_dot(a: torch.Tensor, b: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """``(a * b).sum(dims, keepdim=True)`` (``dims`` include 0), multiplying a chunk of samples
+    at a time so the product never exists for the whole batch."""
+    total: torch.Tensor | None = None
+    for rows in sample_slices(a.shape, a.element_size()):
+        value = (a[rows] * b[rows]).sum(dims, keepdim=True)
+        total = value if total is None else total.add_(value)
+    return total

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MesaConfig
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer
 from ..saved import load
-from .base import MesaModule, no_autocast_backward, weighted_forward
+from .base import MesaModule, no_autocast_backward, summed_over_samples, weighted_forward
 
 
 def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> torch.Tensor:
@@ -49,8 +49,8 @@ class MesaConv2dFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[1]:
             # first, so the decoded fp32 input is freed before grad_x (as large) is made
-            grad_w = torch.nn.grad.conv2d_weight(unpack(packed), w.shape, grad, *ctx.conv_args)
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = summed_over_samples(packed, lambda x, rows: torch.nn.grad.conv2d_weight(
+                x, w.shape, grad[rows], *ctx.conv_args)).to(weight.dtype)
         if ctx.needs_input_grad[0]:
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, w, grad, *ctx.conv_args)
             if ctx.explicit_pad:
