@@ -11,14 +11,22 @@ unchanged.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from mmcv.cnn import ConvModule
 from mmseg.models.decode_heads.uper_head import UPerHead
 from mmseg.models.utils import resize
+from torch import nn
 
+from ..config import MesaConfig
+from ..layers.base import make_quantizer
+from ..layers.conv import MesaConv2d
+from ..quantizer import ActivationQuantizer, Packed, attach_codes, sample_range, unpack
 from .modules import MesaDecodeHead
 
 
@@ -26,8 +34,9 @@ class WriteChannels(torch.autograd.Function):
     """``buffer[:, start:start + piece.shape[1]] = piece`` in place: one step of a concatenation.
 
     Backward passes ``grad`` on unchanged (every other piece reads only its own slice) and gives
-    ``piece`` its slice. ``copy_`` into a view would record ``CopySlices``, which clones the whole
-    gradient once per piece.
+    ``piece`` a copy of its slice. ``copy_`` into a view would record ``CopySlices``, which clones
+    the whole gradient once per piece; a view of the slice would keep the whole gradient alive
+    until the last piece's backward has run (the first FPN output's, after its whole branch).
     """
 
     @staticmethod
@@ -39,7 +48,7 @@ class WriteChannels(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad_piece = grad[:, ctx.start:ctx.stop].to(ctx.piece_dtype)
+        grad_piece = grad[:, ctx.start:ctx.stop].to(ctx.piece_dtype, copy=True)
         return (grad if ctx.needs_input_grad[0] else None), grad_piece, None
 
 
@@ -67,6 +76,7 @@ def concat_channels(pieces: list[torch.Tensor | None],
     first = pieces[0]
     buffer = torch.empty((first.shape[0], sum(channels), *first.shape[2:]), dtype=dtype,
                          device=first.device, memory_format=cat_memory_format(pieces))
+    del first  # the first piece is freed once written
     starts = [sum(channels[:i]) for i in range(len(pieces))]
     for i in [0, *range(len(pieces) - 1, 0, -1)]:
         piece = pieces[i]
@@ -78,8 +88,129 @@ def concat_channels(pieces: list[torch.Tensor | None],
     return buffer
 
 
+@dataclass
+class FusedCodes:
+    """The bottleneck's input (the FPN outputs, upsampled and concatenated) saved as the codes of
+    each FPN output before its upsampling.
+
+    Three of the four pieces are bilinear upsamplings of smaller maps; their codes at the
+    source resolution are 1/4, 1/16 and 1/64 of the upsampled ones (on Swin-T UPerNet at
+    512x512, batch 2: 21 MiB instead of 64 MiB at the peak of the forward). Decoding and then
+    upsampling interpolates the rounding errors, so no value is further from the exact one than
+    its own codes would put it. The fields ``attached_codes`` checks are the pieces'.
+    """
+
+    parts: list[Packed]
+    shape: torch.Size  # of the concatenation
+    dtype: torch.dtype
+    align_corners: bool
+
+    @property
+    def bits(self) -> int:
+        return self.parts[0].bits
+
+    @property
+    def group_dim(self) -> int:
+        return 1
+
+    @property
+    def group_size(self) -> int:
+        return self.parts[0].group_size
+
+    @property
+    def backend(self) -> str:
+        return self.parts[0].backend
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for part in self.parts for t in part.tensors())
+
+    def meta(self) -> tuple:
+        return tuple(part.meta() for part in self.parts), self.shape, self.dtype, self.align_corners
+
+    @classmethod
+    def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> FusedCodes:
+        metas, *rest = meta
+        parts = [Packed.rebuild(tensors[3 * i:3 * i + 3], m) for i, m in enumerate(metas)]
+        return cls(parts, *rest)
+
+    def sample_range(self, start: int, stop: int) -> FusedCodes | None:
+        parts = [sample_range(part, start, stop) for part in self.parts]
+        if any(part is None for part in parts):
+            return None
+        return dataclasses.replace(self, parts=parts,
+                                   shape=torch.Size((stop - start, *self.shape[1:])))
+
+    def restore(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        first = self.parts[0]
+        out = torch.empty(self.shape, dtype=torch.float32, device=first.data.device)
+        start = 0
+        for part in self.parts:
+            piece = unpack(part, torch.float32)
+            if piece.shape[2:] != self.shape[2:]:
+                piece = resize(piece, size=self.shape[2:], mode='bilinear',
+                               align_corners=self.align_corners)
+            out[:, start:start + piece.shape[1]] = piece
+            start += piece.shape[1]
+            del piece
+        return out.to(dtype or self.dtype)
+
+
+def releasing_input(module: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:
+    """``module(holder.pop())``, but a plain mmcv ``ConvModule`` drops its input once its first
+    layer has run.
+
+    A module call keeps its arguments alive until it returns, so ``fpn_bottleneck(buffer)`` holds
+    the 256 MiB concatenation (Swin-T, 512x512, batch 2) through its BatchNorm and ReLU, though
+    only the conv reads it. The steps are ``ConvModule.forward``'s with ``activate`` and ``norm``
+    on. Anything else (a subclass, hooks on the module, explicit padding or the fused eval-mode
+    conv-bn) is called as it is.
+    """
+    x = holder.pop()
+    if not (type(module) is ConvModule and not module.with_explicit_padding
+            and module.efficient_conv_bn_eval_forward is None
+            and not (module._forward_pre_hooks or module._forward_hooks
+                     or module._backward_pre_hooks or module._backward_hooks)):
+        return module(x)
+    for layer in module.order:
+        if layer == 'conv':
+            x = module.conv(x)
+        elif layer == 'norm' and module.with_norm:
+            x = module.norm(x)
+        elif layer == 'act' and module.with_activation:
+            x = module.activate(x)
+    return x
+
+
 class MesaUPerHead(MesaDecodeHead, UPerHead):
     """``UPerHead`` with the banded loss of ``MesaDecodeHead`` and a lean FPN fusion."""
+
+    def mesa_setup(self, config: MesaConfig) -> None:
+        super().mesa_setup(config)
+        # One quantizer per FPN level, for the bottleneck input's codes (FusedCodes): its
+        # conv's own config, one group per channel. Non-persistent: no state-dict keys.
+        conv_config = config.for_layer('conv2d')
+        self.mesa_fused_quantizers = nn.ModuleList(
+            make_quantizer(conv_config, 1)
+            for _ in range(len(getattr(self, 'lateral_convs', ())) + 1)
+        ) if conv_config.compressor == 'mesa' else None
+
+    def fused_codes(self, fpn_outs: list[torch.Tensor | None]) -> FusedCodes | None:
+        """The codes of each FPN output, when the bottleneck conv will save its input as them:
+        a converted, active conv with zero padding whose quantizer keeps what ours keep."""
+        conv = getattr(self.fpn_bottleneck, 'conv', None)
+        quantizers = self.mesa_fused_quantizers
+        if (quantizers is None or not isinstance(conv, MesaConv2d) or conv.padding_mode != 'zeros'
+                or not conv.mesa_active(fpn_outs[0], conv.weight)
+                or not conv.weight.requires_grad
+                or not isinstance(conv.quant_input, ActivationQuantizer)
+                or conv.quant_input.spec != quantizers[0].spec
+                or len(fpn_outs) != len(quantizers)):
+            return None
+        first = fpn_outs[0]
+        dtype = functools.reduce(torch.promote_types, [p.dtype for p in fpn_outs])
+        shape = torch.Size((first.shape[0], sum(p.shape[1] for p in fpn_outs), *first.shape[2:]))
+        return FusedCodes([q.pack(p) for q, p in zip(quantizers, fpn_outs)], shape, dtype,
+                          bool(self.align_corners))
 
     def _forward_feature(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         if not self.mesa_active(*inputs):
@@ -101,4 +232,8 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
         del laterals
         upsample = functools.partial(resize, size=fpn_outs[0].shape[2:], mode='bilinear',
                                      align_corners=self.align_corners)
-        return self.fpn_bottleneck(concat_channels(fpn_outs, upsample))
+        codes = self.fused_codes(fpn_outs)
+        fused = [concat_channels(fpn_outs, upsample)]  # the only reference: freed after the conv
+        if codes is not None:
+            attach_codes(fused[0], codes)
+        return releasing_input(self.fpn_bottleneck, fused)
