@@ -7,7 +7,9 @@ laterals, was the peak of the whole Mesa training step. ``MesaUPerHead`` runs th
 and ops in the same order, but writes each FPN output into its channel slice of one buffer as
 soon as it exists and drops the laterals once they are used. The buffer holds exactly what
 ``torch.cat`` returns and the gradients are the same slices, so forward and backward are
-unchanged.
+unchanged. The buffer is freed once the bottleneck conv has run (``releasing_input``), and that
+conv saves it as the codes of the FPN outputs before upsampling (``FusedCodes``) when it is a
+converted layer.
 """
 from __future__ import annotations
 
