@@ -1,9 +1,10 @@
 """Saving packed activations through ``ctx.save_for_backward``.
 
 Every tensor a Mesa layer keeps for backward goes through ``ctx.save_for_backward`` (so autograd's
-saved-tensor hooks, version checks and memory accounting see it). ``Packed`` / ``DivisionPacked``
-activations and bit masks are flattened into their tensors here and rebuilt in backward; layers
-never see the layout.
+saved-tensor hooks, version checks and memory accounting see it). Compressed activations (any
+object with ``tensors()``, ``meta()`` and a ``rebuild`` classmethod: ``Packed``, ``Mapped``,
+``DivisionPacked``, ``FusedCodes``) and bit masks are flattened into their tensors here and
+rebuilt in backward; layers never see the layout.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def save(ctx: Any, *items: Saveable) -> None:
     flat: list[torch.Tensor | None] = []
     layout: list[tuple] = []
     for item in items:
-        if isinstance(item, (Packed, Mapped, DivisionPacked)) or hasattr(type(item), 'rebuild'):
+        if hasattr(type(item), 'rebuild'):  # Packed, Mapped, DivisionPacked, a layer's own codes
             tensors = item.tensors()
             layout.append((type(item), len(tensors), item.meta()))
             flat.extend(tensors)
