@@ -29,7 +29,8 @@ from .bitpack import pack_bits, unpack_bits
 from .rounding import reset_rounding_generators, rounding_generator
 
 __all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'pack',
-           'reset_rounding_generators', 'rounding_generator', 'sample_range', 'unpack']
+           'packed_reusing', 'reset_rounding_generators', 'rounding_generator', 'sample_range',
+           'unpack']
 
 
 @dataclass(frozen=True)
@@ -94,12 +95,19 @@ class Mapped:
     fn: Callable[[torch.Tensor], torch.Tensor]  # element-wise, fp32 in and out
     dtype: torch.dtype  # of the tensor it stands for
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.source.shape
+    # The fields attached_codes checks are the source's.
+    shape = property(lambda self: self.source.shape)
+    bits = property(lambda self: self.source.bits)
+    group_dim = property(lambda self: self.source.group_dim)
+    group_size = property(lambda self: self.source.group_size)
+    backend = property(lambda self: self.source.backend)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.source.tensors()
+
+    def sample_range(self, start: int, stop: int) -> Mapped | None:
+        source = sample_range(self.source, start, stop)
+        return None if source is None else replace(self, source=source)
 
     def meta(self) -> tuple:
         return self.source.meta(), self.fn, self.dtype
@@ -349,17 +357,14 @@ def unpack(packed: Packed | Any, dtype: torch.dtype | None = None) -> torch.Tens
 
 
 def sample_range(packed: Packed | Any, start: int, stop: int) -> Any:
-    """The codes of ``x[start:stop]`` (along dim 0) as a ``Packed`` (or ``Mapped``) of their own,
+    """The codes of ``x[start:stop]`` (along dim 0) as codes of their own (``Packed``, ``Mapped``),
     sharing its storage, so a backward can decode a large input a few samples at a time.
 
     None where the samples are no whole-byte range of the data: another compressor's result,
     groups along dim 0, or sub-byte codes whose samples end inside a byte.
     """
-    if hasattr(type(packed), 'sample_range'):  # codes of a layer's own kind (FusedCodes)
+    if hasattr(type(packed), 'sample_range'):  # codes built on Packed (Mapped, FusedCodes)
         return packed.sample_range(start, stop)
-    if isinstance(packed, Mapped):
-        source = sample_range(packed.source, start, stop)
-        return None if source is None else replace(packed, source=source)
     if not isinstance(packed, Packed) or packed.group_dim == 0 or len(packed.shape) < 2:
         return None
     per_sample = packed.shape[1:].numel()
@@ -394,13 +399,23 @@ def attached_codes(x: torch.Tensor, spec: QuantSpec,
     if found is None:
         return None
     packed, version = found
-    codes = packed.source if isinstance(packed, Mapped) else packed
-    same = (version == x._version and codes.shape == x.shape and codes.bits == spec.bits
-            and codes.group_dim == spec.group_dim % x.dim()
-            and codes.group_size == spec.group_size and codes.backend == spec.backend)
+    same = (version == x._version and packed.shape == x.shape and packed.bits == spec.bits
+            and packed.group_dim == spec.group_dim % x.dim()
+            and packed.group_size == spec.group_size and packed.backend == spec.backend)
     if not same:
         return None
     return packed if dtype in (None, packed.dtype) else replace(packed, dtype=dtype)
+
+
+def packed_reusing(x: torch.Tensor, cast: torch.Tensor, quantizer: Any) -> Any:
+    """What a layer saves of its input ``x``: the codes another layer attached to ``x`` when
+    ``quantizer`` is an ``ActivationQuantizer`` that would store the same, decoding to ``cast``'s
+    dtype; else ``cast`` (``x`` as the layer's op sees it) packed by ``quantizer``."""
+    if isinstance(quantizer, ActivationQuantizer):
+        found = attached_codes(x, quantizer.spec, cast.dtype)
+        if found is not None:
+            return found
+    return quantizer.pack(cast)
 
 
 class ActivationQuantizer(nn.Module):

@@ -227,3 +227,17 @@ def test_mapped_codes_decode_to_the_function_of_the_codes():
     want = torch.nn.functional.gelu(unpack(packed, torch.float32))
     assert torch.equal(decoded, want.bfloat16())
     assert torch.equal(unpack(sample_range(mapped, 1, 3)), want[1:3].bfloat16())
+
+
+def test_a_division_linear_after_gelu_packs_its_own_input():
+    """GELU's codes are offered to the next layer; one whose compressor is DIVISION packs its
+    own copy (at GELU's bit width, so only the compressor differs; this used to raise)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    convert_to_mesa(model, config=MesaConfig(division=['linear'], division_bits=8))
+    packed = []
+    pack = model[2].quant_input.pack
+    model[2].quant_input.pack = lambda x: packed.append(x.shape) or pack(x)
+    model(torch.randn(2, 5, 8)).sum().backward()
+    assert packed == [torch.Size((2, 5, 16))]
+    assert torch.isfinite(model[2].weight.grad).all()

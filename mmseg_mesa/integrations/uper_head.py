@@ -196,9 +196,10 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
             for _ in range(len(getattr(self, 'lateral_convs', ())) + 1)
         ) if conv_config.compressor == 'mesa' else None
 
-    def fused_codes(self, fpn_outs: list[torch.Tensor | None]) -> FusedCodes | None:
-        """The codes of each FPN output, when the bottleneck conv will save its input as them:
-        a converted, active conv with zero padding whose quantizer keeps what ours keep."""
+    def fpn_out_codes(self, fpn_outs: list[torch.Tensor | None]) -> list[Packed] | None:
+        """The codes of each FPN output, when the bottleneck conv will save its input as them
+        (``FusedCodes``): a converted, active conv with zero padding whose quantizer keeps what
+        ours keep."""
         conv = getattr(self.fpn_bottleneck, 'conv', None)
         quantizers = self.mesa_fused_quantizers
         if (quantizers is None or not isinstance(conv, MesaConv2d) or conv.padding_mode != 'zeros'
@@ -208,11 +209,7 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
                 or conv.quant_input.spec != quantizers[0].spec
                 or len(fpn_outs) != len(quantizers)):
             return None
-        first = fpn_outs[0]
-        dtype = functools.reduce(torch.promote_types, [p.dtype for p in fpn_outs])
-        shape = torch.Size((first.shape[0], sum(p.shape[1] for p in fpn_outs), *first.shape[2:]))
-        return FusedCodes([q.pack(p) for q, p in zip(quantizers, fpn_outs)], shape, dtype,
-                          bool(self.align_corners))
+        return [q.pack(p) for q, p in zip(quantizers, fpn_outs)]
 
     def _forward_feature(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         if not self.mesa_active(*inputs):
@@ -234,8 +231,9 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
         del laterals
         upsample = functools.partial(resize, size=fpn_outs[0].shape[2:], mode='bilinear',
                                      align_corners=self.align_corners)
-        codes = self.fused_codes(fpn_outs)
+        parts = self.fpn_out_codes(fpn_outs)
         fused = [concat_channels(fpn_outs, upsample)]  # the only reference: freed after the conv
-        if codes is not None:
-            attach_codes(fused[0], codes)
+        if parts is not None:
+            attach_codes(fused[0], FusedCodes(parts, fused[0].shape, fused[0].dtype,
+                                              bool(self.align_corners)))
         return releasing_input(self.fpn_bottleneck, fused)

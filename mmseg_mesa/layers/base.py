@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..division import DivisionCompressor, DivisionSpec
-from ..quantizer import ActivationQuantizer, QuantSpec, attached_codes, sample_range, unpack
+from ..quantizer import ActivationQuantizer, QuantSpec, packed_reusing, sample_range, unpack
 from ..saved import save
 
 M = TypeVar('M', bound=nn.Module)
@@ -144,10 +144,7 @@ def weighted_forward(ctx: Any, op: Callable[..., torch.Tensor], x: torch.Tensor,
     with torch.autocast(ctx.device_type, enabled=False):
         y = op(xc, wc, bc)
     ctx.compute_dtype = xc.dtype
-    packed = None
-    if ctx.needs_input_grad[1]:
-        packed = attached_codes(x, quantizer.spec, xc.dtype) or quantizer.pack(xc)
-    save(ctx, packed, weight)
+    save(ctx, packed_reusing(x, xc, quantizer) if ctx.needs_input_grad[1] else None, weight)
     return y
 
 
@@ -180,19 +177,21 @@ def summed_over_samples(packed: Any, product: Callable[[torch.Tensor, slice], to
     parts = [sample_range(packed, rows.start, rows.stop) for rows in slices]
     if len(slices) < 2 or any(part is None for part in parts):
         return product(unpack(packed), slice(None))
-    total: torch.Tensor | None = None
-    for rows, part in zip(slices, parts):
-        value = product(unpack(part), rows).float()
-        total = value if total is None else total.add_(value)
-        del value
-    return total
+    return summed(product(unpack(part), rows).float() for rows, part in zip(slices, parts))
 
 
 def channel_dot(a: torch.Tensor, b: torch.Tensor, dims: list[int]) -> torch.Tensor:
     """``(a * b).sum(dims, keepdim=True)`` (``dims`` include 0), multiplying a chunk of samples
     at a time so the product never exists for the whole batch."""
+    return summed((a[rows] * b[rows]).sum(dims, keepdim=True)
+                  for rows in sample_slices(a.shape, a.element_size()))
+
+
+def summed(values: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of ``values``, added in place into the first, one value alive at a time."""
     total: torch.Tensor | None = None
-    for rows in sample_slices(a.shape, a.element_size()):
-        value = (a[rows] * b[rows]).sum(dims, keepdim=True)
+    for value in values:
         total = value if total is None else total.add_(value)
+    if total is None:
+        raise ValueError('summed: no values')
     return total

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, Packed, attached_codes, unpack
+from ..quantizer import ActivationQuantizer, packed_reusing, unpack
 from ..saved import load, save
 from .base import MesaModule, autocast_cast, no_autocast_backward, sum_to
 
@@ -24,8 +24,8 @@ class MesaMatMulFunction(torch.autograd.Function):
         ctx.a_meta = (a.shape, a.dtype)
         ctx.b_meta = (b.shape, b.dtype)
         # grad of a needs b and vice versa.
-        packed_b = packed_operand(b, bc, quant_b) if ctx.needs_input_grad[0] else None
-        packed_a = packed_operand(a, ac, quant_a) if ctx.needs_input_grad[1] else None
+        packed_b = packed_reusing(b, bc, quant_b) if ctx.needs_input_grad[0] else None
+        packed_a = packed_reusing(a, ac, quant_a) if ctx.needs_input_grad[1] else None
         save(ctx, packed_a, packed_b)
         return y
 
@@ -42,13 +42,6 @@ class MesaMatMulFunction(torch.autograd.Function):
             grad_b = unpack(packed_a, grad.dtype).transpose(-2, -1) @ grad
             grad_b = sum_to(grad_b, *ctx.b_meta)
         return grad_a, grad_b, None, None
-
-
-def packed_operand(x: torch.Tensor, cast: torch.Tensor, quantizer: ActivationQuantizer
-                   ) -> Packed:
-    """The codes a softmax already saved for ``x`` (an attention map; ``attach_codes``), else
-    ``cast`` (``x`` as autocast gives it to the matmul) packed by ``quantizer``."""
-    return attached_codes(x, quantizer.spec) or quantizer.pack(cast)
 
 
 class MatMul(nn.Module):
