@@ -83,7 +83,7 @@ def test_mobilenet_v2_leaves_little_uncompressed(mobilenet_v2):
 
 
 def test_mobilenet_v2_converted_losses_exact_gradients_close():
-    """Issue 13's acceptance on MobileNetV2 DeepLabV3+ (random init, 64x64, batch 2, default
+    """MobileNetV2 DeepLabV3+ (random init, 64x64, batch 2, default
     preset): the same losses bit for bit, whole-gradient relative error <= 0.02."""
     reference = build_model(MOBILENET_V2)
     reference.train()

@@ -241,3 +241,33 @@ def test_a_division_linear_after_gelu_packs_its_own_input():
     model(torch.randn(2, 5, 8)).sum().backward()
     assert packed == [torch.Size((2, 5, 16))]
     assert torch.isfinite(model[2].weight.grad).all()
+
+
+@pytest.mark.parametrize('batch_first', [False, True])
+@pytest.mark.parametrize('aliasing', ['q is k is v', 'k is v', 'distinct'])
+def test_multihead_attention_is_bit_identical_for_each_aliasing(aliasing, batch_first):
+    """torch picks its in-projection by which of q, k, v are the same tensor (one packed matmul,
+    a q / kv split, or three); the converted module takes the same branch for the same
+    arguments, so it is compared with torch on exactly those arguments."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(16, 4, batch_first=batch_first).train()
+    ours = copy.deepcopy(ref)
+    convert_to_mesa(nn.Sequential(ours))
+    shape = (2, 5, 16) if batch_first else (5, 2, 16)
+    q = torch.randn(shape)
+    k = q if aliasing == 'q is k is v' else torch.randn(shape)
+    v = k if aliasing != 'distinct' else torch.randn(shape)
+
+    def call(module, args):
+        copies = {}
+        args = [copies.setdefault(id(x), x.clone().requires_grad_()) for x in args]
+        out, weights = module(*args)
+        return args, out, weights
+
+    args, out, weights = call(ref, (q, k, v))
+    args2, out2, weights2 = call(ours, (q, k, v))
+    assert torch.equal(out, out2) and torch.equal(weights, weights2)
+    backward_both(out, out2)
+    for a, b in zip(args, args2):
+        assert cosine(a.grad, b.grad) >= 0.999
+    assert cosine(ref.in_proj_weight.grad, ours.in_proj_weight.grad) >= 0.999

@@ -24,7 +24,7 @@ LIMITS = {'default': (0.01, 0.999), 'max-saving': (0.10, 0.99)}
 # embeddings and class token): DeiT-S then measures 0.0115-0.0122 over rounding draws at the
 # default preset on this batch (0.0123-0.0155 on tools/gradient_fidelity.py's), the summed
 # 8-bit stochastic-rounding noise of its layers (no one layer type carries it; round-to-nearest
-# gives 0.0083, docs/benchmarks.md), ViT-B 0.0097. Issue 11's 0.01 holds at the configs' own
+# gives 0.0083, docs/benchmarks.md), ViT-B 0.0097. The default's 0.01 holds at the configs' own
 # crop instead (test_vit_without_init_holds_at_the_configs_crop).
 NO_INIT_DEFAULT_ERROR = 0.0125
 VITS = {'deit-s': DEIT_S, 'vit-b-mln': VIT_B_MLN}
@@ -70,7 +70,7 @@ def test_swin_t_gradients_hold(preset):
 @pytest.mark.parametrize('name', list(VITS))
 def test_vit_without_init_holds_at_the_configs_crop(name):
     """Without init_weights() the 128x128 figure above is over 0.01; at the configs' own crop
-    (512x512, what training uses) the default meets issue 11's limits: DeiT-S 0.0080, ViT-B
+    (512x512, what training uses) the default meets the default's limits: DeiT-S 0.0080, ViT-B
     0.0074 on this batch (DeiT-S 0.0076 on tools/gradient_fidelity.py's), pos_embed cosine
     0.9998 / 0.9997. The one-step error falls as the gradients sum over more tokens. About 30 s
     and 110 s on two cores."""

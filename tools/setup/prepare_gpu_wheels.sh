@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Fill .gpu-wheels/ with what the lent GPU machine lacks for tools/gpu_check.sh, here, once.
+# Fill .gpu-wheels/ with what the GPU machine lacks for tools/gpu_check.sh, here, once.
 #
 # That machine has Python 3.12, torch 2.11.0+cu130, numpy, opencv-python-headless, matplotlib,
-# scipy, pyyaml, rich, regex, packaging, pillow and pytest (see the device README's KINDS.md), but
+# scipy, pyyaml, rich, regex, packaging, pillow and pytest, but
 # no network and no mmcv, mmengine or mmseg. It gets, as files carried with the working tree
 # (`carry: [".gpu-wheels"]`, 64 MiB per call in all):
 #   - pure-Python wheels: mmengine, mmsegmentation and the imports they need that the image lacks
