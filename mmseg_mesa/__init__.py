@@ -1,4 +1,4 @@
-"""mmseg-mesa: Mesa memory-saving training (8-bit saved activations) for mmsegmentation."""
+"""mmseg-mesa: Mesa memory-saving training (`bits`-bit saved activations) for mmsegmentation."""
 from .version import __version__, check_supported_versions
 
 check_supported_versions()  # a clear error naming the range before any module needs newer torch
@@ -47,7 +47,6 @@ __all__ = [
     'MesaBatchNorm', 'MesaBatchNorm2d', 'MesaSyncBatchNorm', 'MatMul', 'MesaMatMul', 'MesaDropout',
     'ActivationQuantizer', 'Packed', 'QuantSpec', 'pack', 'unpack', 'DivisionCompressor',
     'DivisionPacked', 'DivisionSpec', '__version__',
-    # issue 13
     'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
     'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
     'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d',

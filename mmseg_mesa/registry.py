@@ -49,16 +49,38 @@ class Handler:
 
 _HANDLERS: dict[type, Handler] = {}
 _ALIASES: dict[type, type] = {}
+_TABLES: set[str] = set()  # names of the built-in tables registered so far (register_once)
 
 
 def register_handler(module_type: type, layer_type: str, convert: Converter,
                      check: Checker | None = None,
-                     replaces: tuple[str, ...] = ('forward',)) -> None:
-    """Add or replace the handler for ``module_type``.
+                     replaces: tuple[str, ...] = ('forward',), force: bool = False) -> None:
+    """Add the handler for ``module_type``; ``force=True`` replaces one it already has.
 
     Subclasses use it only if they define none of ``replaces`` (see the module docstring).
+    Without ``force`` a second handler for one type is an error, as in mmengine's ``Registry``:
+    two handlers for one type would leave the one that converts it to import order.
+
+    Raises:
+        KeyError: ``module_type`` has a handler and ``force`` is False.
     """
+    if not force and module_type in _HANDLERS:
+        raise KeyError(f'register_handler: {module_type.__qualname__} already has a handler '
+                       f'(layer type {_HANDLERS[module_type].layer_type!r}); pass force=True to '
+                       'replace it')
     _HANDLERS[module_type] = Handler(layer_type, convert, check, tuple(replaces))
+
+
+def register_once(table: str, register: Callable[[], None]) -> None:
+    """Run ``register`` (a group of ``register_handler`` calls) unless ``table`` ran already.
+
+    The built-in tables register through this, so importing or reloading the modules that
+    trigger them again registers nothing twice, while a second handler for one type from
+    anywhere else still fails (``register_handler``).
+    """
+    if table not in _TABLES:
+        register()
+        _TABLES.add(table)
 
 
 def swap_to(mesa_cls: type[MesaModule]) -> Converter:
@@ -70,13 +92,21 @@ def swap_to(mesa_cls: type[MesaModule]) -> Converter:
     return convert
 
 
-def register_alias(module_type: type, handled_type: type) -> None:
+def register_alias(module_type: type, handled_type: type, force: bool = False) -> None:
     """Convert ``module_type`` with ``handled_type``'s handler although it overrides methods
     that handler replaces: the caller vouches that those overrides do what the base does
-    (e.g. mmcv's wrappers, which only special-case empty inputs on torch < 1.5)."""
+    (e.g. mmcv's wrappers, which only special-case empty inputs on torch < 1.5).
+
+    Raises:
+        TypeError: ``module_type`` is not a subclass of ``handled_type``.
+        KeyError: ``module_type`` has an alias and ``force`` is False.
+    """
     if not issubclass(module_type, handled_type):
         raise TypeError(f'register_alias: {module_type.__name__} is not a subclass of '
                         f'{handled_type.__name__}')
+    if not force and module_type in _ALIASES:
+        raise KeyError(f'register_alias: {module_type.__qualname__} is already an alias of '
+                       f'{_ALIASES[module_type].__qualname__}; pass force=True to replace it')
     _ALIASES[module_type] = handled_type
 
 

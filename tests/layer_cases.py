@@ -80,7 +80,7 @@ CASES = [
 ]
 
 
-# What every per-layer test file (test_layers.py, test_layers_extra.py) does with a Case.
+# What every per-layer test file (test_layers.py, test_cnn_layers.py) does with a Case.
 
 def pair(case: Case, dtype=torch.float32, config=None):
     ref = case.make().to(dtype)

@@ -5,7 +5,15 @@ import torch
 from conftest import cosine
 from torch import nn
 
-from mmseg_mesa import MatMul, MesaConfig, MesaLinear, MesaModule, convert_to_mesa
+from mmseg_mesa import (
+    MatMul,
+    MesaAdaptiveAvgPool2d,
+    MesaConfig,
+    MesaLinear,
+    MesaModule,
+    convert_to_mesa,
+    register_handler,
+)
 from mmseg_mesa.memory import count_saved_tensors
 
 
@@ -154,3 +162,59 @@ def test_report_lists_leaves_without_handler_once():
     model = Block()
     report = convert_to_mesa(model)
     assert list(report.left) == ['pool']
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    """``mmseg_mesa.registry`` with copies of its tables, restored after the test."""
+    from mmseg_mesa import registry
+    monkeypatch.setattr(registry, '_HANDLERS', dict(registry._HANDLERS))
+    monkeypatch.setattr(registry, '_ALIASES', dict(registry._ALIASES))
+    monkeypatch.setattr(registry, '_TABLES', set(registry._TABLES))
+    return registry
+
+
+def test_a_second_handler_for_a_type_needs_force(tables):
+    from mmseg_mesa.registry import handler_for_type, register_alias, swap_to
+    with pytest.raises(KeyError, match='Linear already has a handler.*force=True'):
+        register_handler(nn.Linear, 'linear', swap_to(MesaLinear))
+    first, second = swap_to(MesaAdaptiveAvgPool2d), swap_to(MesaAdaptiveAvgPool2d)
+    register_handler(nn.AdaptiveAvgPool2d, 'pooling', first)
+    with pytest.raises(KeyError, match='AdaptiveAvgPool2d already has a handler'):
+        register_handler(nn.AdaptiveAvgPool2d, 'pooling', second)
+    assert handler_for_type(nn.AdaptiveAvgPool2d)[0].convert is first
+    register_handler(nn.AdaptiveAvgPool2d, 'pooling', second, force=True)
+    assert handler_for_type(nn.AdaptiveAvgPool2d)[0].convert is second
+
+    class Wrapped(nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+
+    register_alias(Wrapped, nn.Linear)
+    with pytest.raises(KeyError, match='Wrapped is already an alias of Linear'):
+        register_alias(Wrapped, nn.Linear)
+    register_alias(Wrapped, nn.Linear, force=True)
+
+
+def test_builtin_tables_register_each_type_once(tables):
+    from mmseg_mesa.handlers import register_torch_handlers
+    expected = set(tables._HANDLERS), set(tables._ALIASES)
+    tables._HANDLERS.clear()
+    tables._ALIASES.clear()
+    register_torch_handlers()  # a type registered twice would raise
+    if 'openmmlab' in tables._TABLES:
+        from mmseg_mesa.integrations.handlers import register_openmmlab_handlers
+        register_openmmlab_handlers()
+    assert (set(tables._HANDLERS), set(tables._ALIASES)) == expected
+
+
+def test_reimporting_registers_nothing_twice(tables):
+    import importlib
+
+    import mmseg_mesa
+    import mmseg_mesa.handlers
+    before = dict(tables._HANDLERS), dict(tables._ALIASES)
+    importlib.reload(mmseg_mesa.handlers)  # its import registers the torch handlers
+    importlib.reload(mmseg_mesa)  # which registers the OpenMMLab ones, when installed
+    mmseg_mesa.handlers.register_openmmlab_handlers_if_installed()
+    assert (tables._HANDLERS, tables._ALIASES) == before

@@ -1,6 +1,7 @@
 """Mesa layers: torch modules whose forward is exact and whose saved activations are compressed."""
 from .activation import MesaGELU, MesaReLU
-from .activations_extra import (
+from .base import MesaModule
+from .cnn_activations import (
     MesaELU,
     MesaHardsigmoid,
     MesaHardswish,
@@ -12,7 +13,6 @@ from .activations_extra import (
     MesaSiLU,
     MesaTanh,
 )
-from .base import MesaModule
 from .conv import MesaConv2d
 from .conv_transpose import MesaConvTranspose2d
 from .dropout import MesaDropout
@@ -28,7 +28,6 @@ __all__ = [
     'MesaModule', 'MesaLinear', 'MesaConv2d', 'MesaGELU', 'MesaReLU', 'MesaSoftmax',
     'MesaLayerNorm', 'MesaBatchNorm', 'MesaBatchNorm2d', 'MesaSyncBatchNorm', 'MatMul',
     'MesaMatMul', 'MesaDropout',
-    # issue 13
     'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
     'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
     'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d',

@@ -1,4 +1,5 @@
-"""The other activations mmcv / mmseg build, each saving only what its backward needs.
+"""The activations of CNN backbones and heads besides ReLU and GELU (``activation.py``), each
+saving only what its backward needs.
 
 - Hardtanh / ReLU6, LeakyReLU, Hardsigmoid: their derivative is piecewise constant, so one bit per
   element says which piece; the gradient is exact.

@@ -1,4 +1,5 @@
-"""The activations, pooling, transposed convolution and GroupNorm of issue 13 against torch.
+"""The activations, pooling, transposed convolution and GroupNorm of CNN backbones and heads
+against torch.
 
 The same tiers as tests/test_layers.py: forward bit-identical (fp32 / bf16 / fp16, train and eval),
 gradients exact where the backward reads only bits (masks, window positions) and above the same
