@@ -1,12 +1,11 @@
 """UPerHead whose FPN fusion never holds its concatenated features twice.
 
 mmseg's ``UPerHead._forward_feature`` keeps the ``laterals`` list alive through the bottleneck
-and builds the list of upsampled FPN outputs next to their concatenation. On Swin-T UPerNet at
-512x512 (batch 2) that list (4 x 64 MiB) next to the 256 MiB concatenation, plus 85 MiB of
-laterals, was the peak of the whole Mesa training step. ``MesaUPerHead`` runs the same modules
-and ops in the same order, but writes each FPN output into its channel slice of one buffer as
-soon as it exists and drops the laterals once they are used. The buffer holds exactly what
-``torch.cat`` returns and the gradients are the same slices, so forward and backward are
+and builds the list of upsampled FPN outputs next to their concatenation: on Swin-T UPerNet that
+would be the peak of a whole Mesa training step (docs/benchmarks.md). ``MesaUPerHead`` runs the
+same modules and ops in the same order, but writes each FPN output into its channel slice of one
+buffer as soon as it exists and drops the laterals once they are used. The buffer holds exactly
+what ``torch.cat`` returns and the gradients are the same slices, so forward and backward are
 unchanged. The buffer is freed once the bottleneck conv has run (``releasing_input``), and that
 conv saves it as the codes of the FPN outputs before upsampling (``FusedCodes``) when it is a
 converted layer.

@@ -1,4 +1,4 @@
-"""LayerNorm and BatchNorm saving their 8-bit normalized inputs and exact 1/std."""
+"""LayerNorm and BatchNorm saving their `bits`-bit normalized inputs and exact 1/std."""
 from __future__ import annotations
 
 from typing import Any
@@ -42,10 +42,10 @@ class MesaLayerNormFunction(torch.autograd.Function):
     """``F.layer_norm`` saving the packed *normalized* input and the exact 1/std of each token.
 
     Backward needs ``x_norm = (x - mean) * rstd`` and ``rstd``. Recomputing them from a quantized
-    ``x`` (what this layer did first) multiplies the quantization noise by ``rstd``: a token whose
-    spread is small next to its channels' ranges (ViT's class token and position embeddings at
-    init, low-variance tokens of trained models) got gradients dominated by noise (DeiT-S
-    UPerNet: ``pos_embed`` cosine 0.83 at 256x256). ``x_norm`` has unit spread in every token, so
+    ``x`` would multiply the quantization noise by ``rstd``, so a token whose spread is small next
+    to its channels' ranges (ViT's class token and position embeddings at init, low-variance
+    tokens of trained models) would get gradients dominated by noise (DeiT-S UPerNet's
+    ``pos_embed`` gradient, docs/benchmarks.md). ``x_norm`` has unit spread in every token, so
     its quantization error does not depend on the token, and ``rstd`` costs 4 bytes per token.
     The dequantized values are not re-standardized: a constant token has ``x_norm == 0`` exactly,
     and re-standardizing would blow its noise up to unit variance.
@@ -203,7 +203,8 @@ def batch_norm_momentum(bn: _BatchNorm) -> float:
 
 
 class MesaBatchNorm(MesaModule, _BatchNorm):
-    """Any single-process BatchNorm (1d/2d/3d, mmengine's ``_BatchNormXd``), input saved in 8 bits.
+    """Any single-process BatchNorm (1d/2d/3d, mmengine's ``_BatchNormXd``), input saved in
+    ``bits`` bits.
 
     Running statistics are updated exactly as torch does; eval mode runs the torch path. The
     normalized input is quantized with one group per channel (the statistics are per channel
@@ -224,4 +225,4 @@ class MesaBatchNorm(MesaModule, _BatchNorm):
 
 
 class MesaBatchNorm2d(MesaBatchNorm, nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` with an 8-bit saved input."""
+    """``nn.BatchNorm2d`` with a ``bits``-bit saved input."""
