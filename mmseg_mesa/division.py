@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quantizer import Packed, QuantSpec, group_min_max, pack, unpack
+from .codes import Packed, QuantSpec
+from .quantizer import group_min_max, pack, unpack
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,11 @@ class DivisionPacked:
     def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> DivisionPacked:
         hfc_meta, *rest = meta
         return cls(tensors[0], Packed.rebuild(tuple(tensors[1:]), hfc_meta), *rest)
+
+    def sample_range(self, start: int, stop: int) -> None:
+        """None: the residual is grouped along its dim 0 (one group per (sample, channel) row),
+        which ``Packed.sample_range`` does not slice, so it is decoded whole."""
+        return None
 
     def restore(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         n, c, h, w = self.map_shape

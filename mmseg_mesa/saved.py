@@ -1,10 +1,9 @@
 """Saving packed activations through ``ctx.save_for_backward``.
 
 Every tensor a Mesa layer keeps for backward goes through ``ctx.save_for_backward`` (so autograd's
-saved-tensor hooks, version checks and memory accounting see it). Compressed activations (any
-object with ``tensors()``, ``meta()`` and a ``rebuild`` classmethod: ``Packed``, ``Mapped``,
-``DivisionPacked``, ``FusedCodes``) and bit masks are flattened into their tensors here and
-rebuilt in backward; layers never see the layout.
+saved-tensor hooks, version checks and memory accounting see it). Compressed activations
+(``codes.Codes``: ``Packed``, ``Mapped``, ``DivisionPacked``, ``FusedCodes``) and bit masks are
+flattened into their tensors here and rebuilt in backward; layers never see the layout.
 """
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from typing import Any
 import torch
 
 from .bitpack import pack_mask, unpack_mask
-from .division import DivisionPacked
-from .quantizer import Mapped, Packed
+from .codes import Codes, is_codes
 
 
 @dataclass
@@ -33,15 +31,15 @@ class PackedMask:
         return unpack_mask(self.data, self.shape)
 
 
-Saveable = torch.Tensor | Packed | Mapped | DivisionPacked | PackedMask | None
+Saveable = torch.Tensor | Codes | PackedMask | None
 
 
 def save(ctx: Any, *items: Saveable) -> None:
-    """``ctx.save_for_backward`` for tensors, packed activations, masks and None."""
+    """``ctx.save_for_backward`` for tensors, compressed activations, masks and None."""
     flat: list[torch.Tensor | None] = []
     layout: list[tuple] = []
     for item in items:
-        if hasattr(type(item), 'rebuild'):  # Packed, Mapped, DivisionPacked, a layer's own codes
+        if is_codes(item):
             tensors = item.tensors()
             layout.append((type(item), len(tensors), item.meta()))
             flat.extend(tensors)

@@ -1,7 +1,7 @@
 """The optional CUDA extension ``mmseg_mesa._C``: build state, dispatch, and kernel == reference.
 
 The first tests run everywhere (they need no GPU); the kernel tests need CUDA and compare every
-kernel bit for bit with the pure-PyTorch reference in ``quantizer.py``.
+kernel bit for bit with the pure-PyTorch reference in ``reference.py``.
 """
 from __future__ import annotations
 
@@ -18,14 +18,13 @@ from mmseg_mesa.quantizer import (
     ActivationQuantizer,
     Packed,
     QuantSpec,
-    dequantize_reference,
     ema_update,
     group_min_max,
-    quantize_reference,
     reset_rounding_generators,
     scale_from_span,
     unpack,
 )
+from mmseg_mesa.reference import dequantize_reference, quantize_reference
 
 BUILD = _backend.build_info()
 BUILT = BUILD is not None and BUILD.EXTENSION

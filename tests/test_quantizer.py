@@ -156,10 +156,10 @@ def one_pass_codes(x, lower, scale, spec, group_dim, generator=None):
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_piecewise_torch_path_equals_one_pass(monkeypatch, stochastic, bits, shape, group_dim,
                                               group_size, dtype):
-    import mmseg_mesa.quantizer as quantizer
+    import mmseg_mesa.reference as reference
     # tiny pieces: boundaries inside rows, inside channels and inside packed bytes
-    monkeypatch.setattr(quantizer, 'PIECE_MIN_ELEMENTS', 37)
-    monkeypatch.setattr(quantizer, 'PIECE_FRACTION', 10 ** 6)
+    monkeypatch.setattr(reference, 'PIECE_MIN_ELEMENTS', 37)
+    monkeypatch.setattr(reference, 'PIECE_FRACTION', 10 ** 6)
     x = (torch.randn(shape) * 3).to(dtype)
     x.view(-1)[[1, 4]] = torch.tensor([float('nan'), float('inf')], dtype=dtype)
     dim = group_dim % len(shape)
@@ -171,7 +171,7 @@ def test_piecewise_torch_path_equals_one_pass(monkeypatch, stochastic, bits, sha
     packed = pack(x, s, lower, span)
     generator = torch.Generator().manual_seed(torch.initial_seed() ^ 0x5EED_3E5A)
     want = one_pass_codes(x, lower, packed.scale, s, dim, generator)
-    assert len(quantizer._pieces(x.shape, dim)[1]) > 3
+    assert len(reference._pieces(x.shape, dim)[1]) > 3
     assert torch.equal(packed.data.reshape(-1),
                        want.reshape(-1) if bits == 8 else pack_bits(want, bits))
     for out_dtype in (dtype, torch.float32):

@@ -130,7 +130,7 @@ def test_bottleneck_saves_its_input_as_the_fpn_outputs_codes():
     upsampling (FusedCodes): they decode to within one rounding step of its input, cost a
     third of its own codes, and the gradients stay as close to the exact ones."""
     from mmseg_mesa.memory import count_saved_tensors
-    from mmseg_mesa.quantizer import channel_view
+    from mmseg_mesa.reference import channel_view
 
     exact, inputs = head_and_inputs(64)
     fused = copy.deepcopy(exact)

@@ -27,12 +27,11 @@ from mmseg_mesa import MatMul, MesaConfig, _backend, convert_to_mesa
 from mmseg_mesa.quantizer import (
     Packed,
     QuantSpec,
-    dequantize_reference,
     ema_update,
     group_min_max,
-    quantize_reference,
     scale_from_span,
 )
+from mmseg_mesa.reference import dequantize_reference, quantize_reference
 
 # name, shape, group_dim, group_size: Swin-T at 224x224, batch 64, stage 1.
 KERNEL_CASES = [
