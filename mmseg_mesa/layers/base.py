@@ -1,4 +1,6 @@
-"""What every Mesa module shares: activation checks, class swapping, autocast handling."""
+"""What every Mesa module shares: activation checks, class swapping, autocast handling, what a
+forward records for its backward, the weighted layers' forward and backward, backward by samples.
+"""
 from __future__ import annotations
 
 import functools
@@ -8,10 +10,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ..codes import Codes
 from ..config import MesaConfig
 from ..division import DivisionCompressor, DivisionSpec
-from ..quantizer import ActivationQuantizer, QuantSpec, packed_reusing, sample_range, unpack
-from ..saved import save
+from ..quantizer import ActivationQuantizer, QuantSpec, packed_reusing, unpack
+from ..saved import load, save
 
 M = TypeVar('M', bound=nn.Module)
 _SWAPPED: dict[tuple[type, type], type] = {}
@@ -111,6 +114,24 @@ def autocast_cast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, .
                  and t.dtype != torch.float64 else t for t in tensors)
 
 
+def record_input(ctx: Any, x: torch.Tensor) -> None:
+    """Record what every Mesa backward reads of its forward's input ``x``: ``ctx.device_type``
+    (``no_autocast_backward`` turns autocast off there) and ``ctx.input_dtype`` (the dtype of
+    the input gradient)."""
+    ctx.device_type = x.device.type
+    ctx.input_dtype = x.dtype
+
+
+def autocast_inputs(ctx: Any, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``autocast_cast(*tensors)`` for an op run as autocast would: records ``record_input`` of
+    the first tensor and ``ctx.compute_dtype``, the dtype the op runs and its backward computes
+    in."""
+    record_input(ctx, tensors[0])
+    cast = autocast_cast(*tensors)
+    ctx.compute_dtype = cast[0].dtype
+    return cast
+
+
 def no_autocast_backward(backward: Callable) -> Callable:
     """Backward formulas pick their dtypes explicitly; an ambient autocast must not change them."""
 
@@ -135,23 +156,46 @@ def weighted_forward(ctx: Any, op: Callable[..., torch.Tensor], x: torch.Tensor,
     """``op(x, weight, bias)`` as autocast would run it, saving the packed input and the weight.
 
     The forward of every layer whose backward reads its input only for the weight gradient
-    (Linear, Conv2d, ConvTranspose2d): the input is packed only when the weight needs a gradient.
-    Sets ``ctx.device_type``, ``ctx.input_dtype`` and ``ctx.compute_dtype`` for the backward.
+    (Linear, Conv2d, ConvTranspose2d; ``weighted_backward`` is their backward): the input is
+    packed only when the weight needs a gradient.
     """
-    ctx.device_type = x.device.type
-    ctx.input_dtype = x.dtype
-    xc, wc, bc = autocast_cast(x, weight, bias)
+    xc, wc, bc = autocast_inputs(ctx, x, weight, bias)
     with torch.autocast(ctx.device_type, enabled=False):
         y = op(xc, wc, bc)
-    ctx.compute_dtype = xc.dtype
     save(ctx, packed_reusing(x, xc, quantizer) if ctx.needs_input_grad[1] else None, weight)
     return y
 
 
+def weighted_backward(ctx: Any, grad: torch.Tensor,
+                      input_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      weight_grad: Callable[[torch.Tensor, torch.Tensor, torch.Size], torch.Tensor],
+                      bias_grad: Callable[[torch.Tensor], torch.Tensor]) -> tuple:
+    """The backward of ``weighted_forward``, given the layer's three gradient formulas.
+
+    ``input_grad(grad, weight)``, ``weight_grad(x, grad, weight_shape)`` (a sum over samples:
+    ``x`` is decoded a few samples at a time when it is large, ``summed_over_samples``) and
+    ``bias_grad(grad)`` get the gradient and the weight in the compute dtype. The weight gradient
+    comes first, so the decoded input is freed before the input gradient (as large) is made.
+    Returns one gradient per forward argument (None past the first three).
+    """
+    packed, weight = load(ctx)
+    grad = grad.to(ctx.compute_dtype)
+    w = weight.to(ctx.compute_dtype)
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[1]:
+        grad_w = summed_over_samples(
+            packed, lambda x, rows: weight_grad(x, grad[rows], w.shape)).to(weight.dtype)
+    if ctx.needs_input_grad[0]:
+        grad_x = input_grad(grad, w).to(ctx.input_dtype)
+    if ctx.needs_input_grad[2]:
+        grad_b = bias_grad(grad).to(weight.dtype)
+    return (grad_x, grad_w, grad_b, *[None] * (len(ctx.needs_input_grad) - 3))
+
+
 # Backward works through a large tensor a few samples at a time once a full-size temporary
 # would be larger than this: a weight gradient decodes its saved input by samples, a channel sum
-# of products multiplies by samples (Swin-T UPerNet at 512x512, batch 2: the bottleneck input
-# decoded whole was 256 MiB fp32 at the peak of backward).
+# of products multiplies by samples (decoding UPerNet's bottleneck input whole in fp32 would be
+# the peak of backward, docs/benchmarks.md).
 DECODE_CHUNK_BYTES = 32 << 20
 
 
@@ -166,16 +210,14 @@ def sample_slices(shape: torch.Size, element_bytes: int) -> list[slice]:
     return [slice(start, min(start + step, samples)) for start in range(0, samples, step)]
 
 
-def summed_over_samples(packed: Any, product: Callable[[torch.Tensor, slice], torch.Tensor]
+def summed_over_samples(packed: Codes, product: Callable[[torch.Tensor, slice], torch.Tensor]
                         ) -> torch.Tensor:
     """``product(unpack(packed), slice(None))`` for a product that is a sum over samples (a
     weight gradient), computed as the fp32 sum of ``product(x[rows], rows)`` over chunks of rows
     when the input is large. ``rows`` is what the caller slices the gradient with."""
-    if not hasattr(packed, 'shape') or len(packed.shape) < 2:
-        return product(unpack(packed), slice(None))
     slices = sample_slices(packed.shape, torch.finfo(packed.dtype).bits // 8)
-    parts = [sample_range(packed, rows.start, rows.stop) for rows in slices]
-    if len(slices) < 2 or any(part is None for part in parts):
+    parts = [packed.sample_range(rows.start, rows.stop) for rows in slices if len(slices) > 1]
+    if not parts or any(part is None for part in parts):
         return product(unpack(packed), slice(None))
     return summed(product(unpack(part), rows).float() for rows, part in zip(slices, parts))
 

@@ -1,4 +1,4 @@
-"""Conv2d with an 8-bit saved input."""
+"""Conv2d with a ``bits``-bit saved input."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,8 +9,7 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer
-from ..saved import load
-from .base import MesaModule, no_autocast_backward, summed_over_samples, weighted_forward
+from .base import MesaModule, no_autocast_backward, weighted_backward, weighted_forward
 
 
 def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> torch.Tensor:
@@ -19,6 +18,11 @@ def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> 
         probe = torch.zeros(shape, dtype=grad.dtype, device=grad.device, requires_grad=True)
         (result,) = torch.autograd.grad(F.pad(probe, pad, mode=mode), probe, grad)
     return result
+
+
+def conv_bias_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a 2-d (transposed) convolution: ``grad`` summed but over channels."""
+    return grad.sum((0, 2, 3))
 
 
 class MesaConv2dFunction(torch.autograd.Function):
@@ -43,22 +47,14 @@ class MesaConv2dFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        packed, weight = load(ctx)
-        grad = grad.to(ctx.compute_dtype)
-        w = weight.to(ctx.compute_dtype)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[1]:
-            # first, so the decoded fp32 input is freed before grad_x (as large) is made
-            grad_w = summed_over_samples(packed, lambda x, rows: torch.nn.grad.conv2d_weight(
-                x, w.shape, grad[rows], *ctx.conv_args)).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
+        def input_grad(grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, w, grad, *ctx.conv_args)
-            if ctx.explicit_pad:
-                grad_x = unpad_grad(grad_x, *ctx.explicit_pad)
-            grad_x = grad_x.to(ctx.input_dtype)
-        if ctx.needs_input_grad[2]:
-            grad_b = grad.sum((0, 2, 3)).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+            return unpad_grad(grad_x, *ctx.explicit_pad) if ctx.explicit_pad else grad_x
+
+        return weighted_backward(
+            ctx, grad, input_grad,
+            lambda x, grad, shape: torch.nn.grad.conv2d_weight(x, shape, grad, *ctx.conv_args),
+            conv_bias_grad)
 
 
 class MesaConv2d(MesaModule, nn.Conv2d):

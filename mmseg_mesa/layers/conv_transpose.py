@@ -1,4 +1,4 @@
-"""ConvTranspose2d with an 8-bit saved input (the weight gradient is all that reads it)."""
+"""ConvTranspose2d with a ``bits``-bit saved input (the weight gradient is all that reads it)."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MesaConfig
-from ..quantizer import ActivationQuantizer, unpack
-from ..saved import load
-from .base import MesaModule, no_autocast_backward, weighted_forward
+from ..quantizer import ActivationQuantizer
+from .base import MesaModule, no_autocast_backward, weighted_backward, weighted_forward
+from .conv import conv_bias_grad
 
 
 class MesaConvTranspose2dFunction(torch.autograd.Function):
@@ -36,21 +36,11 @@ class MesaConvTranspose2dFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        packed, weight = load(ctx)
-        grad = grad.to(ctx.compute_dtype)
-        w = weight.to(ctx.compute_dtype)
         stride, padding, dilation, groups = ctx.conv_args
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[1]:
-            # first, so the decoded fp32 input is freed before grad_x is made
-            grad_w = torch.nn.grad.conv2d_weight(grad, w.shape, unpack(packed), *ctx.conv_args)
-            grad_w = grad_w.to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            grad_x = F.conv2d(grad, w, None, stride, padding, dilation, groups)
-            grad_x = grad_x.to(ctx.input_dtype)
-        if ctx.needs_input_grad[2]:
-            grad_b = grad.sum((0, 2, 3)).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return weighted_backward(
+            ctx, grad, lambda grad, w: F.conv2d(grad, w, None, stride, padding, dilation, groups),
+            lambda x, grad, shape: torch.nn.grad.conv2d_weight(grad, shape, x, *ctx.conv_args),
+            conv_bias_grad)
 
 
 def conv_transpose_reason(module: nn.ConvTranspose2d) -> str | None:

@@ -1,4 +1,4 @@
-"""Linear with an 8-bit saved input."""
+"""Linear with a ``bits``-bit saved input."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, unpack
-from ..saved import load
-from .base import MesaModule, no_autocast_backward, weighted_forward
+from ..quantizer import ActivationQuantizer
+from .base import MesaModule, no_autocast_backward, weighted_backward, weighted_forward
 
 
 class MesaLinearFunction(torch.autograd.Function):
@@ -23,20 +22,11 @@ class MesaLinearFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        packed, weight = load(ctx)
-        grad = grad.to(ctx.compute_dtype)
-        grad_x = grad_w = grad_b = None
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        if ctx.needs_input_grad[1]:
-            # first, so the decoded fp32 input is freed before grad_x (as large) is made
-            x = unpack(packed)
-            grad_w = (grad_2d.t() @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
-            del x
-        if ctx.needs_input_grad[0]:
-            grad_x = (grad @ weight.to(ctx.compute_dtype)).to(ctx.input_dtype)
-        if ctx.needs_input_grad[2]:
-            grad_b = grad_2d.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None
+        return weighted_backward(
+            ctx, grad, lambda grad, w: grad @ w,
+            lambda x, grad, shape: (grad.reshape(-1, grad.shape[-1]).t()
+                                    @ x.reshape(-1, x.shape[-1])),
+            lambda grad: grad.reshape(-1, grad.shape[-1]).sum(0))
 
 
 class MesaLinear(MesaModule, nn.Linear):
