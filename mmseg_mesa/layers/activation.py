@@ -1,4 +1,4 @@
-"""GELU (8-bit saved input) and ReLU (1-bit saved mask)."""
+"""GELU (``bits``-bit saved input) and ReLU (1-bit saved mask)."""
 from __future__ import annotations
 
 import functools

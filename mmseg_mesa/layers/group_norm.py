@@ -1,4 +1,4 @@
-"""GroupNorm saving its 8-bit normalized input and the exact 1/std of every (sample, group).
+"""GroupNorm saving its ``bits``-bit normalized input and the exact 1/std of every (sample, group).
 
 Backward needs ``x_norm = (x - mean) / std`` and ``1/std`` per (sample, group). Quantizing the raw
 input and recomputing both from the dequantized values would multiply the quantization noise by
@@ -64,7 +64,7 @@ class MesaGroupNormFunction(torch.autograd.Function):
 
 
 class MesaGroupNorm(MesaModule, nn.GroupNorm):
-    """``nn.GroupNorm`` saving its normalized input (8 bits, per channel group of dim 1) and
+    """``nn.GroupNorm`` saving its normalized input (``bits`` bits, per channel group of dim 1) and
     the exact 1/std per (sample, group)."""
 
     mesa_quantizers = {'quant_input': (1, None)}

@@ -1,4 +1,4 @@
-"""``a @ b`` as a module, both operands saved in 8 bits (attention's two matmuls)."""
+"""``a @ b`` as a module, both operands saved in ``bits`` bits (attention's two matmuls)."""
 from __future__ import annotations
 
 from typing import Any

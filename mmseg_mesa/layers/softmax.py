@@ -44,7 +44,7 @@ def softmax_dim(dim: int | None, ndim: int) -> int:
 
 
 class MesaSoftmax(MesaModule, nn.Softmax):
-    """``nn.Softmax`` saving its 8-bit output, one quantization group per index of dim 1.
+    """``nn.Softmax`` saving its ``bits``-bit output, one quantization group per index of dim 1.
 
     For attention maps ``(B, heads, N, N)`` that is one group per head, as in Mesa.
     """

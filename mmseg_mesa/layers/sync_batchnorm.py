@@ -1,4 +1,4 @@
-"""SyncBatchNorm with 8-bit saved inputs, for any process group (gloo on CPU, NCCL on GPU).
+"""SyncBatchNorm with ``bits``-bit saved inputs, for any process group (gloo on CPU, NCCL on GPU).
 
 Same numerics as ``MesaBatchNorm`` (``norm.py``) with the per-channel moments taken over the
 process group, and the same semantics as ``torch.nn.SyncBatchNorm``:
@@ -172,7 +172,7 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
 
 
 class MesaSyncBatchNorm(MesaModule, nn.SyncBatchNorm):
-    """``nn.SyncBatchNorm`` whose saved input is 8-bit, per channel; runs on CPU (gloo) too.
+    """``nn.SyncBatchNorm`` whose saved input is ``bits``-bit, per channel; runs on CPU (gloo) too.
 
     Unlike torch's SyncBN it does not refuse CPU tensors, and with a process group of one rank it
     takes the local path instead of refusing CPU input (torch checks the device first).
