@@ -73,10 +73,9 @@ class MesaConfig:
             Defaults to none.
         group_size: Channels that share one scale/offset for hidden features. Attention maps and
             the operands of attention matmuls always use one group per head. Defaults to 1: one
-            group per channel, finer than the paper's head-wise groups at a cost of 8 bytes per
-            channel per layer. Transformer features have outlier channels; with groups of 32 the
-            layer-0 LayerNorm weight gradient of DeiT-S UPerNet measured cosine 0.986 against
-            the exact one, per channel 0.994.
+            group per channel, at 8 bytes per channel per layer, because transformer features
+            have outlier channels that coarser groups spread over their neighbours (groups of 32
+            cost DeiT-S UPerNet's LayerNorm weight gradients measurably, docs/benchmarks.md).
         ema_decay: Decay of the running estimates of each group's min and range; the first
             training step takes the batch statistics as they are. Defaults to 0.9 (the paper's).
         stochastic_rounding: Round stochastically (unbiased) instead of to nearest.
@@ -89,10 +88,10 @@ class MesaConfig:
             quantization) and UPerHead fuse its FPN outputs without holding them twice.
             Defaults to all of them.
         skip: ``fnmatch`` patterns of qualified module names left unconverted. Defaults to ().
-        compressor: ``'mesa'`` (the 8-bit quantizer) or ``'division'`` (DIVISION's low-pass copy
-            plus a low-bit residual, see ``mmseg_mesa.division``) for every layer of a type in
-            ``DIVISION_LAYER_TYPES``; other types always use Mesa's quantizer. Defaults to
-            ``'mesa'``.
+        compressor: ``'mesa'`` (the ``bits``-bit quantizer) or ``'division'`` (DIVISION's
+            low-pass copy plus a low-bit residual, see ``mmseg_mesa.division``) for every layer
+            of a type in ``DIVISION_LAYER_TYPES``; other types always use Mesa's quantizer.
+            Defaults to ``'mesa'``.
         division: Layer types (from ``DIVISION_LAYER_TYPES``) that use DIVISION whatever
             ``compressor`` says. Defaults to none.
         division_modules: ``fnmatch`` patterns of qualified module names that use DIVISION
@@ -176,9 +175,9 @@ class MesaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> MesaConfig:
-        """A named preset (see ``PRESETS``) with some fields overridden."""
-        if name not in PRESETS:
-            raise ValueError(f'MesaConfig: unknown preset {name!r}; presets: {", ".join(PRESETS)}')
+        """A named preset (see ``PRESETS``) with some fields overridden; a former name
+        (``RENAMED_PRESETS``) fails with its new one."""
+        check_preset(name)
         return cls(**{**PRESETS[name], **overrides})
 
     @classmethod
@@ -211,18 +210,25 @@ class MesaConfig:
 # Named presets: fields that differ from MesaConfig's defaults. Their memory ratios and demo
 # fidelity are measured in docs/benchmarks.md (`tools/benchmark_memory.py` runs each as a mode).
 PRESETS: dict[str, dict[str, Any]] = {
-    # The paper: every supported layer keeps an 8-bit copy; the loss is left as it is.
-    'mesa': dict(layers=frozenset(LAYER_TYPES) - {'loss'}),
-    # MesaConfig(): 8 bits, plus the exact low-resolution loss and 1-bit ReLU masks.
+    # The paper's Mesa: every layer type but 'loss' (the decode head's loss is left as it is).
+    'paper': dict(layers=frozenset(LAYER_TYPES) - {'loss'}),
+    # MesaConfig(), what ``mesa = True`` gives: the paper's layers plus the exact low-resolution
+    # loss (layer type 'loss').
     'default': {},
-    # The default with 4-bit codes where they cost least: LayerNorm's normalized input, which
-    # has unit spread in every token by construction (0.012-0.018 on DeiT-S / ViT-B without
-    # init_weights()). 4 bits anywhere else measured a whole-gradient error near or above 0.10
-    # on an mmseg config (linear inputs: 0.105 on Swin-T; conv inputs: 0.088, the attention
-    # operands: 0.146, GELU inputs: pos_embed cosine 0.990 on DeiT-S; BatchNorm's normalized
-    # input: 0.131 on DeiT-S UPerNet without init_weights(), its pooled PPM branches see 2-72
-    # values per channel). GroupNorm stays at 8 bits: not measured at 4 on an mmseg model.
-    # See docs/benchmarks.md, "Gradient fidelity". DIVISION on the conv / batch-norm inputs
-    # would save more but cost 1.1 mIoU on the demo, so no preset turns it on.
+    # The default with 4-bit codes only for LayerNorm's normalized input, which has unit spread
+    # in every token by construction; 4 bits on any other input measured a whole-gradient error
+    # near or above 0.10 on mmseg configs (docs/benchmarks.md, "Gradient fidelity"). No preset
+    # uses DIVISION: on the conv / batch-norm inputs it saves more but cost mIoU on the demo.
     'max-saving': dict(layer_bits={'layernorm': 4}),
 }
+# Presets under a former name: asking for one fails with its new name.
+RENAMED_PRESETS = {'mesa': 'paper'}
+
+
+def check_preset(name: str) -> None:
+    """Raise a ValueError naming the presets unless ``name`` is one of them."""
+    if name in RENAMED_PRESETS:
+        raise ValueError(f'MesaConfig: preset {name!r} was renamed to '
+                         f'{RENAMED_PRESETS[name]!r}')
+    if name not in PRESETS:
+        raise ValueError(f'MesaConfig: unknown preset {name!r}; presets: {", ".join(PRESETS)}')

@@ -6,12 +6,15 @@ data. ``track_step_peak``: the peak tensor memory of one training step (forward,
 optimizer step) as torch's ``MemTracker`` follows every storage (a TorchDispatchMode; it works on
 CPU, where allocator statistics do not exist), by category at the peak and where it happened.
 This is the number a GPU runs out at: it also holds weights, gradients, optimizer state and every
-transient tensor.
+transient tensor. ``BatchPlan``: that peak as a function of the batch, fitted at two measured
+batches, and the largest batch that fits in a budget (``parse_bytes`` reads one, ``'4GiB'``).
 """
 from __future__ import annotations
 
+import math
+import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -168,3 +171,101 @@ def track_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer,
 def _tracked_peak(tracker: object) -> int:
     peaks = tracker.get_tracker_snapshot('peak')  # type: ignore[attr-defined]
     return sum(snap['Total'] for snap in peaks.values())
+
+
+BINARY_UNITS = {'B': 1, 'KiB': 2 ** 10, 'MiB': 2 ** 20, 'GiB': 2 ** 30, 'TiB': 2 ** 40}
+
+
+def parse_bytes(text: str, default_unit: str = 'GiB') -> int:
+    """``'4'``, ``'4GiB'``, ``'512 MiB'`` as bytes; a bare number is in ``default_unit``.
+
+    Only binary units: every figure the tools print is in MiB / GiB, and a decimal GB next to
+    them would be off by 7%.
+    """
+    match = re.fullmatch(r'\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*', text)
+    unit = match and (match.group(2) or default_unit)
+    factor = next((f for name, f in BINARY_UNITS.items() if name.lower() == (unit or '').lower()),
+                  None)
+    if match is None or factor is None:
+        raise ValueError(f'{text!r} is not a size: a number (in {default_unit}) or a number with '
+                         f'one of {", ".join(BINARY_UNITS)}, e.g. 4GiB or 512MiB')
+    size = float(match.group(1)) * factor
+    if size <= 0:
+        raise ValueError(f'{text!r}: a size must be positive')
+    return int(size)
+
+
+def format_bytes(size: float) -> str:
+    """``size`` in the largest binary unit that keeps it at 1 or more: ``'1 GiB'``."""
+    name, factor = next(((n, f) for n, f in reversed(BINARY_UNITS.items()) if size >= f),
+                        ('B', 1))
+    return f'{size / factor:.4g} {name}'
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The step peak as a function of the batch, fitted at two measured batches.
+
+    Each phase's peak (``StepPeak.phase_peaks``) is fitted as ``fixed + per_image * batch``:
+    weights, gradients and optimizer state are fixed, activations and transients scale with the
+    batch. The step's peak is the largest phase's, since which phase holds it can change with
+    the batch.
+
+    Attributes:
+        batches: The two measured batch sizes.
+        fits: Per phase, ``(fixed bytes, bytes per image)``.
+    """
+
+    batches: tuple[int, int]
+    fits: dict[str, tuple[float, float]]
+
+    @classmethod
+    def fit(cls, low_batch: int, low: Mapping[str, int], high_batch: int,
+            high: Mapping[str, int]) -> BatchPlan:
+        """From the phase peaks at two batch sizes.
+
+        Raises:
+            ValueError: The batches are equal or the peak did not grow with the batch (nothing
+                to extrapolate).
+        """
+        if high_batch == low_batch:
+            raise ValueError(f'BatchPlan.fit needs two batch sizes, got {low_batch} twice')
+        fits = {}
+        for phase in low:
+            per_image = (high[phase] - low[phase]) / (high_batch - low_batch)
+            fits[phase] = (low[phase] - per_image * low_batch, per_image)
+        plan = cls((low_batch, high_batch), fits)
+        if plan.per_image_bytes <= 0:
+            raise ValueError(f'the step peak did not grow with the batch ({dict(low)} at '
+                             f'{low_batch} -> {dict(high)} at {high_batch}); cannot extrapolate')
+        return plan
+
+    def predict(self, batch: int) -> float:
+        """The predicted step peak at ``batch``, in bytes."""
+        return max(fixed + per_image * batch for fixed, per_image in self.fits.values())
+
+    @property
+    def per_image_bytes(self) -> float:
+        """What each image adds to the step peak (the steepest phase)."""
+        return max(per_image for _, per_image in self.fits.values())
+
+    @property
+    def fixed_bytes(self) -> float:
+        """The predicted peak of no images: weights, gradients, optimizer state."""
+        return self.predict(0)
+
+    def largest_batch(self, budget_bytes: float) -> int:
+        """The largest batch whose predicted step peak fits in ``budget_bytes`` (0: none)."""
+        growing = [(budget_bytes - fixed) / per_image for fixed, per_image in self.fits.values()
+                   if per_image > 0]
+        batch = max(0, math.floor(min(growing)))
+        while batch and self.predict(batch) > budget_bytes:  # phases that do not grow
+            batch -= 1
+        return batch
+
+    def summary(self, budget_bytes: float) -> dict:
+        """The plan for ``budget_bytes`` as JSON-ready numbers."""
+        largest = self.largest_batch(budget_bytes)
+        return dict(batches=list(self.batches), budget_bytes=int(budget_bytes),
+                    fixed_bytes=self.fixed_bytes, per_image_bytes=self.per_image_bytes,
+                    max_batch=largest, predicted_bytes=self.predict(largest) if largest else None)

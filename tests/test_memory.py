@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mmseg_mesa import MesaConfig, MesaConv2d, MesaLinear, convert_to_mesa
-from mmseg_mesa.memory import count_saved_tensors
+from mmseg_mesa.memory import BatchPlan, count_saved_tensors, format_bytes, parse_bytes
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
@@ -57,7 +57,7 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
     out, png = tmp_path / 'r.json', tmp_path / 'r.png'
     results = benchmark_memory.main([
         osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py'), '--modes', 'baseline',
-        'mesa', 'mesa:mesa', 'mesa:max-saving', 'amp', 'mesa+amp', '--batch', '2',
+        'mesa', 'mesa:paper', 'mesa:max-saving', 'amp', 'mesa+amp', '--batch', '2',
         '--size', '32', '32', '--json', str(out), '--plot', str(png)])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(results))
@@ -78,7 +78,7 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
     # the paper's preset keeps the full-resolution loss; max-saving halves LayerNorm's codes
     # (4 bits; its exact 1/std per token and the group ranges stay: 31% less at 32x32) and
     # changes nothing else
-    assert modes['mesa']['saved_bytes'] < modes['mesa:mesa']['saved_bytes']
+    assert modes['mesa']['saved_bytes'] < modes['mesa:paper']['saved_bytes']
     default, max_saving = modes['mesa']['by_type'], modes['mesa:max-saving']['by_type']
     assert 0.25 * default['LayerNorm'] < default['LayerNorm'] - max_saving['LayerNorm']
     assert {k: v for k, v in default.items() if k != 'LayerNorm'} == {
@@ -99,6 +99,58 @@ def test_benchmark_memory_rejects_bad_modes(bad, capsys):
     with pytest.raises(SystemExit):
         benchmark_memory.parse_args(['--modes', bad])
     assert 'invalid mode' in capsys.readouterr().err
+
+
+def test_benchmark_memory_names_the_renamed_preset(capsys):
+    sys.path.insert(0, osp.join(ROOT, 'tools'))
+    import benchmark_memory
+    with pytest.raises(SystemExit):
+        benchmark_memory.parse_args(['--modes', 'mesa:mesa'])
+    assert "preset 'mesa' was renamed to 'paper'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--budget', '4GB'], 'is not a size'),
+    (['--budget', '0'], 'must be positive'),
+    (['--check'], 'give --budget SIZE'),
+    (['--search'], 'give --budget SIZE'),
+    (['--budget', '4', '--search', '--device', 'cpu'], 'needs --device cuda'),
+    (['--max-batch', '4'], 'unrecognized arguments: --max-batch'),
+])
+def test_benchmark_memory_budget_flags(argv, message, capsys):
+    sys.path.insert(0, osp.join(ROOT, 'tools'))
+    import benchmark_memory
+    with pytest.raises(SystemExit):
+        benchmark_memory.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_sizes_read_and_print_in_binary_units():
+    assert parse_bytes('4') == parse_bytes('4GiB') == parse_bytes('4 gib') == 4 * 2 ** 30
+    assert parse_bytes('512MiB') == 2 ** 29
+    assert parse_bytes('1.5', default_unit='MiB') == 3 * 2 ** 19
+    for bad in ('4GB', '4 MB', 'GiB', '-1', 'four'):
+        with pytest.raises(ValueError, match='not a size'):
+            parse_bytes(bad)
+    assert format_bytes(2 ** 30) == '1 GiB' and format_bytes(3 * 2 ** 19) == '1.5 MiB'
+    assert format_bytes(100) == '100 B'
+
+
+def test_batch_plan_takes_the_largest_phase_at_each_batch():
+    # forward grows fastest; the optimizer step holds the peak of small batches
+    low, high = dict(forward=300, backward=350, optimizer=500), dict(forward=500, backward=450,
+                                                                     optimizer=500)
+    plan = BatchPlan.fit(2, low, 4, high)
+    assert plan.fits['forward'] == (100.0, 100.0) and plan.fits['optimizer'] == (500.0, 0.0)
+    assert plan.per_image_bytes == 100.0 and plan.fixed_bytes == 500.0
+    assert plan.predict(2) == 500.0 and plan.predict(10) == 1100.0
+    assert plan.largest_batch(1100) == 10 and plan.largest_batch(1099) == 9
+    assert plan.largest_batch(499) == 0  # the fixed part alone does not fit
+    summary = plan.summary(1100)
+    assert summary['max_batch'] == 10 and summary['predicted_bytes'] == 1100.0
+    assert plan.summary(499)['predicted_bytes'] is None
+    with pytest.raises(ValueError, match='did not grow'):
+        BatchPlan.fit(2, low, 4, low)
 
 
 def test_conv_backward_never_holds_the_decoded_input_and_its_gradient_at_once():
@@ -147,9 +199,9 @@ def test_budget_planner_predicts_the_measured_peak(tmp_path):
     import benchmark_memory
     results = benchmark_memory.main([
         osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py'), '--modes', 'mesa',
-        '--batch', '2', '--size', '32', '32', '--budget', '0.05', '--check'])
+        '--batch', '2', '--size', '32', '32', '--budget', '51.2MiB', '--check'])
     plan = results['plans']['mesa']
     assert plan['batches'] == [2, 4]
     assert plan['max_batch'] > 4  # a real extrapolation, beyond the two measured batches
     assert abs(plan['error']) < 0.10, plan
-    assert plan['predicted_bytes'] <= 0.05 * 2 ** 30
+    assert plan['predicted_bytes'] <= 51.2 * 2 ** 20 and plan['budget_bytes'] == int(51.2 * 2 ** 20)

@@ -27,16 +27,25 @@ def quantizer(model, name):
 
 
 def test_every_preset_is_a_valid_config():
-    assert set(PRESETS) == {'mesa', 'default', 'max-saving'}
-    assert MesaConfig.preset('default') == MesaConfig()
-    assert 'loss' not in MesaConfig.preset('mesa').layers
-    assert MesaConfig.preset('mesa').bits == 8
+    assert set(PRESETS) == {'paper', 'default', 'max-saving'}
+    assert MesaConfig.preset('default') == MesaConfig() == MesaConfig.from_cfg(True)
+    assert MesaConfig.preset('paper').layers == MesaConfig().layers - {'loss'}
+    assert MesaConfig.preset('paper').bits == 8
     assert MesaConfig.preset('max-saving', ema_decay=0.5).ema_decay == 0.5
 
 
 def test_unknown_preset_names_the_presets():
     with pytest.raises(ValueError, match="unknown preset 'tiny'.*max-saving"):
         MesaConfig.preset('tiny')
+
+
+@pytest.mark.parametrize('value', ['mesa', dict(preset='mesa', bits=4)])
+def test_renamed_preset_names_its_new_name(value):
+    # the paper's preset is not what `mesa = True` gives, so it is not called 'mesa'
+    with pytest.raises(ValueError, match="preset 'mesa' was renamed to 'paper'"):
+        MesaConfig.from_cfg(value)
+    with pytest.raises(ValueError, match="renamed to 'paper'"):
+        MesaConfig.preset('mesa')
 
 
 def test_max_saving_policy_per_layer():
@@ -99,7 +108,7 @@ def test_bad_policy_values_name_key_and_allowed(key, value, allowed):
 
 def test_from_cfg_presets():
     assert MesaConfig.from_cfg('max-saving') == MesaConfig.preset('max-saving')
-    cfg = MesaConfig.from_cfg(dict(preset='mesa', bits=4, division_modules=['decode_head.*']))
+    cfg = MesaConfig.from_cfg(dict(preset='paper', bits=4, division_modules=['decode_head.*']))
     assert cfg.bits == 4 and 'loss' not in cfg.layers and cfg.division_modules == ('decode_head.*',)
     cfg = MesaConfig.from_cfg(dict(layer_bits=dict(gelu=4)))
     assert cfg.layer_bits == (('gelu', 4),)

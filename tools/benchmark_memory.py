@@ -2,7 +2,7 @@
 
     python tools/benchmark_memory.py [CONFIG] [--modes baseline mesa ...] [--batch 2]
         [--size 512 512] [--device cpu|cuda] [--iters N] [--json PATH] [--plot PATH]
-        [--budget GIB [--check]] [--max-batch BUDGET_GB]
+        [--budget SIZE [--check] [--search]]
 
 Every mode runs on the same inputs in this one process. For each: the **peak** tensor memory of
 one full training step (forward, backward, the config's optimizer step; measured after one
@@ -13,17 +13,20 @@ the bytes saved for backward (deduplicated storages, parameters excluded), the m
 training step, ratios to ``baseline``, and the saved bytes by the type of module that saved them.
 Modes: ``baseline``, ``mesa`` (the config's ``mesa`` setting: the default preset unless it says
 otherwise), ``mesa:PRESET`` for every other preset of ``mmseg_mesa.config.PRESETS``
-(``mesa:mesa``, the paper's; ``mesa:max-saving``), ``amp`` (autocast: fp16 on CUDA, bf16 on CPU),
+(``mesa:paper``, the paper's; ``mesa:max-saving``), ``amp`` (autocast: fp16 on CUDA, bf16 on CPU),
 ``mesa+amp``, ``checkpoint`` (activation checkpointing of each backbone stage, as mmengine's
 ``activation_checkpointing`` does), ``mesa+checkpoint``. Any Mesa mode combines with ``+amp`` and
 ``+checkpoint`` (``mesa:max-saving+amp``).
 ``--cfg-options`` changes the config as in ``tools/train.py``; ``mesa.*`` keys change what the
 ``mesa`` mode measures (e.g. ``--cfg-options "mesa.division=[conv2d,batchnorm]"``).
 
-``--budget GIB`` answers "what fits?": for each mode (default: baseline and every preset) it
-measures the step peak at ``--batch`` B and 2B, fits peak = fixed + per_image * batch (the peak is
-close to affine in the batch) and prints the largest batch whose predicted peak fits in GIB;
-``--check`` then runs that batch once per mode and reports predicted against measured.
+``--budget SIZE`` (GiB, or with a unit: ``4GiB``, ``512MiB``) answers "what fits?": for each mode
+(default: baseline and every preset) it measures the step peak at ``--batch`` B and 2B, fits
+peak = fixed + per_image * batch (``mmseg_mesa.memory.BatchPlan``: the peak is close to affine in
+the batch) and prints the largest batch whose predicted peak fits in SIZE; ``--check`` then runs
+that batch once per mode and reports predicted against measured; ``--search`` (CUDA) runs
+batches 1, 2, 4, ... and reports the largest whose step stayed within SIZE by
+``torch.cuda.max_memory_allocated`` (what the allocator saw).
 """
 from __future__ import annotations
 
@@ -57,11 +60,17 @@ class Mode:
 def parse_mode(value: str) -> Mode:
     """``baseline``, or ``mesa[:PRESET]`` / ``amp`` / ``checkpoint`` with ``+amp`` /
     ``+checkpoint``; anything else is an error that lists the presets."""
-    from mmseg_mesa.config import PRESETS
+    from mmseg_mesa.config import PRESETS, check_preset
     head, *options = value.split('+')
     name, sep, preset = head.partition(':')
+    why = f'presets: {", ".join(PRESETS)}'
     if name == 'mesa':
         valid, mesa = not sep or preset in PRESETS, preset
+        if sep and preset:
+            try:
+                check_preset(preset)
+            except ValueError as error:  # says so when the preset was renamed
+                why = str(error)
     else:
         valid, mesa = not sep and (head in ('amp', 'checkpoint') or value == 'baseline'), None
         options = [head, *options] if head != 'baseline' else options
@@ -69,7 +78,7 @@ def parse_mode(value: str) -> Mode:
     if not (valid and flags <= {'amp', 'checkpoint'} and len(flags) == len(options)):
         raise argparse.ArgumentTypeError(
             f'invalid mode {value!r}: use baseline, amp, checkpoint or mesa[:PRESET] with '
-            f'optional +amp / +checkpoint; presets: {", ".join(PRESETS)}')
+            f'optional +amp / +checkpoint; {why}')
     return Mode(mesa, 'amp' in flags, 'checkpoint' in flags)
 
 
@@ -99,6 +108,15 @@ def add_cfg_options(parser: argparse.ArgumentParser) -> None:
                              "config) or mesa.division=[conv2d,batchnorm]")
 
 
+def budget_bytes(value: str) -> int:
+    """argparse's reading of --budget: a size in bytes (``mmseg_mesa.memory.parse_bytes``)."""
+    from mmseg_mesa.memory import parse_bytes
+    try:
+        return parse_bytes(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('config', nargs='?', default=DEFAULT_CONFIG)
@@ -114,21 +132,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='timed steps per mode (default: 1 on CPU, 5 on CUDA; 0: none)')
     parser.add_argument('--json', help='write the results as JSON here')
     parser.add_argument('--plot', help='write a PNG bar chart here')
-    parser.add_argument('--budget', type=float, default=None, metavar='GIB',
-                        help='predict the largest batch per mode whose step peak fits in GIB '
-                             '(from peaks measured at --batch B and 2B)')
+    parser.add_argument('--budget', type=budget_bytes, default=None, metavar='SIZE',
+                        help='predict the largest batch per mode whose step peak fits in SIZE '
+                             '(GiB, or with a unit: 4GiB, 512MiB), from peaks measured at '
+                             '--batch B and 2B')
     parser.add_argument('--check', action='store_true',
                         help='with --budget: run the predicted batch once and compare')
-    parser.add_argument('--max-batch', type=float, default=None, metavar='BUDGET_GB',
-                        help='CUDA only: the largest power-of-two batch per mode within budget')
+    parser.add_argument('--search', action='store_true',
+                        help='with --budget, CUDA only: also run batches 1, 2, 4, ... and report '
+                             'the largest whose step stayed within SIZE')
     add_cfg_options(parser)
     args = parser.parse_args(argv)
-    if args.max_batch is not None and args.device != 'cuda':
-        parser.error('--max-batch measures peak CUDA memory: it needs --device cuda')
-    if args.check and args.budget is None:
-        parser.error('--check checks the prediction of --budget: give --budget GIB')
-    if args.budget is not None and args.budget <= 0:
-        parser.error(f'--budget must be positive, got {args.budget}')
+    for flag in ('check', 'search'):
+        if getattr(args, flag) and args.budget is None:
+            parser.error(f'--{flag} works on the budget of --budget: give --budget SIZE')
+    if args.search and args.device != 'cuda':
+        parser.error('--search measures peak CUDA memory: it needs --device cuda')
     if args.batch < 1:
         parser.error(f'--batch must be at least 1, got {args.batch}')
     if args.modes is None:
@@ -163,11 +182,20 @@ def build_model(cfg: Any, device: str) -> torch.nn.Module:
     return model.to(device).train()
 
 
+def head_classes(head: Any) -> int:
+    """The classes a decode head's config predicts: the last head of a cascade (OCRNet), the
+    kernel-generating head of an iterative one (K-Net)."""
+    if isinstance(head, list):
+        head = head[-1]
+    if 'num_classes' not in head and 'kernel_generate_head' in head:
+        head = head.kernel_generate_head
+    return head.num_classes
+
+
 def make_batch(cfg: Any, batch: int, size: tuple[int, int], device: str) -> tuple:
     from mmengine.structures import PixelData
     from mmseg.structures import SegDataSample
-    head = cfg.model.decode_head  # a list for cascade heads (OCRNet): the last one predicts
-    num_classes = (head[-1] if isinstance(head, list) else head).num_classes
+    num_classes = head_classes(cfg.model.decode_head)
     gen = torch.Generator().manual_seed(0)
     inputs = torch.randn(batch, 3, *size, generator=gen).to(device)
     samples = []
@@ -293,74 +321,70 @@ def peak_at(base: torch.nn.Module, cfg: Any, mode: str, mesa_config: Any, batch_
 
 
 def plan_batches(base: torch.nn.Module, cfg: Any, modes: list[str], mesa_config: Any,
-                 batch: int, size: tuple[int, int], device: str, budget_gib: float,
-                 check: bool) -> dict:
-    """Per mode: step peaks at ``batch`` and ``2 * batch``, an affine fit of each phase's peak
-    (forward, backward, optimizer step; the step's peak is their maximum, and which phase holds
-    it can change with the batch) and the largest batch whose predicted peak fits in
-    ``budget_gib``; with ``check``, the measured peak at that batch."""
-    budget = budget_gib * 2 ** 30
+                 batch: int, size: tuple[int, int], device: str, budget: int, check: bool,
+                 search: bool) -> dict:
+    """Per mode: step peaks at ``batch`` and ``2 * batch``, their ``BatchPlan`` and the largest
+    batch whose predicted peak fits in ``budget`` bytes; with ``check``, the measured peak at that
+    batch; with ``search``, the largest power-of-two batch that ran within it on CUDA."""
+    from mmseg_mesa.memory import BatchPlan
     plans = {}
     for mode in modes:
         print(f'planning {mode}: peaks at batch {batch} and {2 * batch} ...', flush=True)
         low = peak_at(base, cfg, mode, mesa_config, batch, size, device)['phase_peaks']
         high = peak_at(base, cfg, mode, mesa_config, 2 * batch, size, device)['phase_peaks']
-        fits = {phase: ((high[phase] - low[phase]) / batch,
-                        low[phase] - (high[phase] - low[phase])) for phase in low}
-
-        def predict(b: int, fits: dict = fits) -> float:
-            return max(fixed + per_image * b for per_image, fixed in fits.values())
-
-        per_image = max(slope for slope, _ in fits.values())
-        if per_image <= 0:
-            raise SystemExit(f'{mode}: the step peak did not grow with the batch '
-                             f'({low} -> {high}); cannot extrapolate')
-        largest = 0
-        while predict(largest + 1) <= budget:
-            largest += 1
-        plan = dict(batches=[batch, 2 * batch], phase_peaks_low=low, phase_peaks_high=high,
-                    per_image_bytes=per_image, fixed_bytes=predict(0), max_batch=largest,
-                    predicted_bytes=predict(largest) if largest else None)
+        try:
+            fitted = BatchPlan.fit(batch, low, 2 * batch, high)
+        except ValueError as error:
+            raise SystemExit(f'{mode}: {error}') from None
+        plan = dict(fitted.summary(budget), phase_peaks_low=low, phase_peaks_high=high)
+        largest = plan['max_batch']
         if check and largest:
             print(f'checking {mode} at batch {largest} ...', flush=True)
             measured = peak_at(base, cfg, mode, mesa_config, largest, size, device)['peak_bytes']
             plan['measured_bytes'] = measured
             plan['error'] = plan['predicted_bytes'] / measured - 1
+        if search:
+            print(f'searching {mode}: batches 1, 2, 4, ... on CUDA ...', flush=True)
+            plan['searched_batch'] = search_batch(base, cfg, mode, mesa_config, size, budget)
         plans[mode] = plan
     return plans
 
 
-def format_plans(plans: dict, budget_gib: float, size: tuple[int, int]) -> str:
-    mb = 2 ** 20
-    lines = [f'Largest batch whose step peak fits in {budget_gib:g} GiB at {size[0]}x{size[1]} '
-             '(each phase: fixed + per_image * batch, fitted at two batches):',
-             f"{'mode':<17}{'fixed MB':>10}{'MB/image':>10}{'batch':>7}{'predicted MB':>14}"
-             f"{'measured MB':>13}{'error':>8}"]
+def format_plans(plans: dict, budget: int, size: tuple[int, int]) -> str:
+    from mmseg_mesa.memory import format_bytes
+    mib = 2 ** 20
+    searched = any('searched_batch' in p for p in plans.values())
+    lines = [f'Largest batch whose step peak fits in {format_bytes(budget)} at '
+             f'{size[0]}x{size[1]} (each phase: fixed + per_image * batch, fitted at two '
+             'batches):',
+             f"{'mode':<17}{'fixed MiB':>11}{'MiB/image':>11}{'batch':>7}{'predicted MiB':>15}"
+             f"{'measured MiB':>14}{'error':>8}" + (f"{'searched':>10}" if searched else '')]
     for mode, p in plans.items():
-        predicted = f"{p['predicted_bytes'] / mb:14.0f}" if p['predicted_bytes'] else f"{'-':>14}"
-        measured = (f"{p['measured_bytes'] / mb:13.0f}{p['error']:+8.1%}"
-                    if 'measured_bytes' in p else f"{'-':>13}{'-':>8}")
-        lines.append(f"{mode:<17}{p['fixed_bytes'] / mb:10.0f}{p['per_image_bytes'] / mb:10.0f}"
-                     f"{p['max_batch']:7d}{predicted}{measured}")
+        predicted = (f"{p['predicted_bytes'] / mib:15.0f}" if p['predicted_bytes']
+                     else f"{'-':>15}")
+        measured = (f"{p['measured_bytes'] / mib:14.0f}{p['error']:+8.1%}"
+                    if 'measured_bytes' in p else f"{'-':>14}{'-':>8}")
+        lines.append(f"{mode:<17}{p['fixed_bytes'] / mib:11.0f}{p['per_image_bytes'] / mib:11.1f}"
+                     f"{p['max_batch']:7d}{predicted}{measured}" +
+                     (f"{p.get('searched_batch', '-'):>10}" if searched else ''))
     return '\n'.join(lines)
 
 
-def max_batch(base: torch.nn.Module, cfg: Any, mode: str, mesa_config: Any,
-              size: tuple[int, int], budget_gb: float) -> int:
-    model = prepare(base, mode, mesa_config)
+def search_batch(base: torch.nn.Module, cfg: Any, mode: str, mesa_config: Any,
+                 size: tuple[int, int], budget: int) -> int:
+    """The largest power-of-two batch (up to 1024) whose training step, after a warm-up step,
+    stayed within ``budget`` bytes of ``torch.cuda.max_memory_allocated``; 0 if batch 1 did not."""
     best, batch = 0, 1
     while batch <= 1024:
         try:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            run_step(model, make_batch(cfg, batch, size, 'cuda'), mode, 'cuda')
-            if torch.cuda.max_memory_allocated() > budget_gb * 2 ** 30:
-                break
-            best, batch = batch, batch * 2
+            peak = peak_at(base, cfg, mode, mesa_config, batch, size, 'cuda')['cuda_peak_bytes']
         except torch.OutOfMemoryError:
             break
-    del model
-    torch.cuda.empty_cache()
+        finally:
+            torch.cuda.empty_cache()
+        if peak > budget:
+            break
+        best, batch = batch, batch * 2
     return best
 
 
@@ -382,41 +406,38 @@ CATEGORIES = ('Parameter', 'Gradient', 'Optstate', 'Activation', 'Temp', 'Buffer
 
 
 def format_table(results: dict) -> str:
-    mb = 2 ** 20
+    mib = 2 ** 20
     modes = results['modes']
     lines = [f"{results['config']}  device={results['device']}  batch={results['batch']}  "
              f"size={results['size']}",
              'Peak of one training step (forward, backward, optimizer step; after a warm-up '
              'step), saved bytes and step time:',
-             f"{'mode':<17}{'peak MB':>9}{'ratio':>8}{'saved MB':>10}{'ratio':>8}"
+             f"{'mode':<17}{'peak MiB':>9}{'ratio':>8}{'saved MiB':>10}{'ratio':>8}"
              f"{'step s':>9}{'ratio':>8}  peak in"]
     for mode, r in modes.items():
         timing = (f"{r['step_time_s']:9.3f}{r.get('time_ratio') or 1:8.3f}"
                   if r['step_time_s'] is not None else f"{'-':>9}{'-':>8}")
-        lines.append(f"{mode:<17}{r['peak_bytes'] / mb:9.0f}{r.get('peak_ratio', 1):8.3f}"
-                     f"{r['saved_bytes'] / mb:10.1f}{r.get('saved_ratio', 1):8.3f}{timing}  "
+        lines.append(f"{mode:<17}{r['peak_bytes'] / mib:9.0f}{r.get('peak_ratio', 1):8.3f}"
+                     f"{r['saved_bytes'] / mib:10.1f}{r.get('saved_ratio', 1):8.3f}{timing}  "
                      f"{r['peak_phase']}: {r['peak_module'] or '-'}")
     if any(r.get('cuda_peak_bytes') for r in modes.values()):
-        lines.append('CUDA max_memory_allocated of that step (MB): ' + ', '.join(
-            f"{m}={r['cuda_peak_bytes'] / mb:.0f}" for m, r in modes.items()))
-    lines.append('\nAt the peak, by category (MB; Activation: made in forward, Temp: in '
+        lines.append('CUDA max_memory_allocated of that step (MiB): ' + ', '.join(
+            f"{m}={r['cuda_peak_bytes'] / mib:.0f}" for m, r in modes.items()))
+    lines.append('\nAt the peak, by category (MiB; Activation: made in forward, Temp: in '
                  'backward):')
     lines.append(f"{'category':<12}" + ''.join(f'{m:>17}' for m in modes))
     for category in CATEGORIES:
         if any(r['peak_by_category'].get(category) for r in modes.values()):
             lines.append(f'{category:<12}' + ''.join(
-                f"{r['peak_by_category'].get(category, 0) / mb:17.0f}" for r in modes.values()))
+                f"{r['peak_by_category'].get(category, 0) / mib:17.0f}" for r in modes.values()))
     types = sorted({t for r in modes.values() for t in r['by_type']},
                    key=lambda t: -modes.get('baseline', next(iter(modes.values())))[
                        'by_type'].get(t, 0))
-    lines.append('\nSaved MB by module type (Mesa modules under the type they replaced):')
+    lines.append('\nSaved MiB by module type (Mesa modules under the type they replaced):')
     lines.append(f"{'type':<22}" + ''.join(f'{m:>17}' for m in modes))
     for t in types:
-        lines.append(f'{t:<22}' + ''.join(f"{r['by_type'].get(t, 0) / mb:17.1f}"
+        lines.append(f'{t:<22}' + ''.join(f"{r['by_type'].get(t, 0) / mib:17.1f}"
                                            for r in modes.values()))
-    if 'max_batch' in results:
-        lines.append(f"\nLargest batch within {results['max_batch_budget_gb']} GB: " +
-                     ', '.join(f'{m}={b}' for m, b in results['max_batch'].items()))
     return '\n'.join(lines)
 
 
@@ -425,11 +446,11 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     modes = list(results['modes'])
-    mb = 2 ** 20
+    mib = 2 ** 20
     fig, (peak_ax, left, right) = plt.subplots(1, 3, figsize=(18, 4.8))
     bottom = [0.0] * len(modes)
     for i, category in enumerate(CATEGORIES):
-        values = [results['modes'][m]['peak_by_category'].get(category, 0) / mb for m in modes]
+        values = [results['modes'][m]['peak_by_category'].get(category, 0) / mib for m in modes]
         if any(values):
             peak_ax.bar(modes, values, bottom=bottom, label=category,
                         color=plt.cm.Set2.colors[i % 8])
@@ -439,15 +460,15 @@ def plot(results: dict, path: str) -> None:
         if ratio is not None:
             peak_ax.annotate(f'{ratio:.2f}x', (k, bottom[k]), ha='center', va='bottom',
                              fontsize=8)
-    peak_ax.set_ylabel('MB at the peak')
+    peak_ax.set_ylabel('MiB at the peak')
     peak_ax.set_title('Peak of a training step (fwd + bwd + optimizer)')
     peak_ax.tick_params(axis='x', rotation=30)
     peak_ax.legend(fontsize=7)
     peak_ax.margins(y=0.1)
-    saved = [results['modes'][m]['saved_bytes'] / mb for m in modes]
+    saved = [results['modes'][m]['saved_bytes'] / mib for m in modes]
     colours = ['#888' if parse_mode(m).preset is None else '#2a7' for m in modes]
     left.bar(modes, saved, color=colours)
-    left.set_ylabel('saved for backward (MB)')
+    left.set_ylabel('saved for backward (MiB)')
     left.set_title('Saved for backward per mode')
     left.tick_params(axis='x', rotation=30)
     totals: dict[str, float] = {}
@@ -462,9 +483,9 @@ def plot(results: dict, path: str) -> None:
     for i, t in enumerate(types + ['other']):
         if t == 'other':
             values = [sum(v for k, v in results['modes'][m]['by_type'].items()
-                          if k not in types) / mb for m in modes]
+                          if k not in types) / mib for m in modes]
         else:
-            values = [results['modes'][m]['by_type'].get(t, 0) / mb for m in modes]
+            values = [results['modes'][m]['by_type'].get(t, 0) / mib for m in modes]
         # matplotlib hides labels that start with '_' (mmengine's _BatchNormXd)
         right.bar(modes, values, bottom=bottom, label=t.lstrip('_'),
                   color=colours[i % len(colours)])
@@ -504,28 +525,24 @@ def main(argv: list[str] | None = None) -> dict:
                          batch=args.batch, size=list(size), iters=iters,
                          mesa=str(mesa_config), modes={})
     if args.budget is not None:
-        results.update(budget_gib=args.budget, plans=plan_batches(
-            base, cfg, args.modes, mesa_config, args.batch, size, args.device, args.budget,
-            args.check))
+        results.update(budget_bytes=args.budget, budget_gib=args.budget / 2 ** 30,
+                       plans=plan_batches(base, cfg, args.modes, mesa_config, args.batch, size,
+                                          args.device, args.budget, args.check, args.search))
         print(format_plans(results['plans'], args.budget, size))
         write_json(results, args.json)
         return results
-    mb = 2 ** 20
+    mib = 2 ** 20
     for mode in args.modes:
         print(f'measuring {mode} ...', flush=True)
         start = time.perf_counter()
         model = prepare(base, mode, mesa_config)
         entry = results['modes'][mode] = measure(model, batch, mode, args.device, iters, cfg)
         del model
-        print(f"  {mode}: step peak {entry['peak_bytes'] / mb:.0f} MB ({entry['peak_phase']}: "
-              f"{entry['peak_module'] or '-'}), saved {entry['saved_bytes'] / mb:.1f} MB "
+        print(f"  {mode}: step peak {entry['peak_bytes'] / mib:.0f} MiB ({entry['peak_phase']}: "
+              f"{entry['peak_module'] or '-'}), saved {entry['saved_bytes'] / mib:.1f} MiB "
               f'[{time.perf_counter() - start:.0f} s]', flush=True)
         write_json(results, args.json)  # what is measured so far survives an interruption
     add_ratios(results)
-    if args.max_batch is not None:
-        results['max_batch_budget_gb'] = args.max_batch
-        results['max_batch'] = {mode: max_batch(base, cfg, mode, mesa_config, size,
-                                                args.max_batch) for mode in args.modes}
     print(format_table(results))
     write_json(results, args.json)
     if args.plot:
