@@ -134,5 +134,66 @@ def test_demo_quick_end_to_end(tmp_path):
         assert isinstance(entry['train_time_s'], float) and entry['train_time_s'] > 0
         assert entry['peak_rss_bytes'] > 0 and np.isfinite(entry['final_loss'])
     assert summary['mesa']['saved_bytes'] < summary['baseline']['saved_bytes']
+    # the planner: fitted from the full and half batch (4 and 2 in --quick), within 1 GiB
+    plans = {name: entry['budget_plan'] for name, entry in summary.items()}
+    for plan in plans.values():
+        assert plan['batches'] == [2, 4] and plan['budget_bytes'] == 2 ** 30
+        assert 0 < plan['fixed_bytes'] and 0 < plan['per_image_bytes']
+        assert plan['max_batch'] > 4 and plan['predicted_bytes'] <= 2 ** 30
+    assert plans['mesa']['per_image_bytes'] < plans['baseline']['per_image_bytes']
+    assert plans['mesa']['max_batch'] > plans['baseline']['max_batch']
+    assert summary['mesa']['max_batch_ratio'] == pytest.approx(
+        plans['mesa']['max_batch'] / plans['baseline']['max_batch'], rel=1e-3)
+    assert 'largest batch in 1 GiB (planned)' in result.stdout
     with open(work_dir / 'summary.png', 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def demo_tool():
+    sys.path.insert(0, osp.join(REPO, 'tools'))
+    import demo
+    return demo
+
+
+def synthetic_summary():
+    mib = 2 ** 20
+    plans = {name: dict(batches=[4, 8], budget_bytes=2 ** 30, fixed_bytes=47.0 * mib,
+                        per_image_bytes=per_image * mib, max_batch=batch,
+                        predicted_bytes=(47.0 + per_image * batch) * mib)
+             for name, per_image, batch in (('baseline', 3.7, 264), ('mesa', 1.3, 751))}
+    summary = {name: dict(miou=miou, aacc=95.0, final_loss=0.1, saved_bytes=int(saved * mib),
+                          step_peak_bytes=int(peak * mib), train_time_s=300.0, cpu_time_s=250.0,
+                          budget_plan=plans[name])
+               for name, miou, saved, peak in (('baseline', 85.6, 28.3, 63.1),
+                                               ('mesa', 87.2, 5.2, 52.2))}
+    curves = {name: dict(iter=[10, 20, 30], loss=[1.0, 0.5, 0.3]) for name in summary}
+    return summary, curves
+
+
+def test_table_says_what_the_saving_buys():
+    summary, _ = synthetic_summary()
+    table = demo_tool().format_table(summary)
+    batch_row = next(line for line in table.splitlines() if 'largest batch' in line)
+    assert 'largest batch in 1 GiB (planned)' in batch_row
+    assert batch_row.split()[-3:] == ['264', '751', f'{751 / 264:.3f}']
+    per_image = next(line for line in table.splitlines() if 'per image' in line)
+    assert per_image.split()[-3:] == ['3.70', '1.30', f'{1.3 / 3.7:.3f}']
+
+
+def test_summary_plot_titles_are_whole_and_apart(tmp_path):
+    import matplotlib.pyplot as plt
+    demo = demo_tool()
+    summary, curves = synthetic_summary()
+    fig = demo.summary_figure(summary, curves)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    titles = [ax.title.get_window_extent(renderer) for ax in fig.axes]
+    texts = [ax.get_title() for ax in fig.axes]
+    assert len(titles) == 4 and 'Largest batch in 1 GiB' in texts[3], texts
+    for box, text in zip(titles, texts):  # inside the figure: nothing is cut off
+        assert 0 <= box.x0 and box.x1 <= fig.bbox.width and box.y1 <= fig.bbox.height, text
+    for left, right in zip(titles, titles[1:]):
+        assert left.x1 < right.x0, 'titles overlap'
+    plt.close(fig)
+    demo.plot(summary, curves, str(tmp_path / 'summary.png'))
+    assert (tmp_path / 'summary.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'

@@ -7,12 +7,16 @@
 Steps: write the generated demo dataset (``mmseg_mesa.demo``); count the bytes one training step
 saves for backward and measure the peak tensor memory of one full training step (forward,
 backward, optimizer step, after a warm-up step; torch's ``MemTracker``), for both models on the
-same batch; train the baseline and the Mesa config
-through ``tools/train.py`` (one subprocess each, same seed, log lines streamed) and record each
-child's wall time, CPU time and peak RSS; read the final loss and the mIoU of its validation at
-the end from its ``vis_data/scalars.json``. Results go to ``WORK_DIR/summary.json``
-(``{"baseline": {"miou": <percent>, "saved_bytes": ..., "train_time_s": ..., ...},
-"mesa": {...}}``) and ``WORK_DIR/summary.png`` (loss curves and memory bars).
+same batch, and again on half of it; from those two peaks the budget planner
+(``mmseg_mesa.memory.BatchPlan``) predicts the largest batch whose step fits in ``--budget``
+(default 1 GiB): what the saving buys, since the demo model's weights and AdamW state dominate
+its step peak at its own batch. Then train the baseline and the Mesa config through
+``tools/train.py`` (one subprocess each, same seed, log lines streamed) and record each child's
+wall time, CPU time and peak RSS; read the final loss and the mIoU of its validation at the end
+from its ``vis_data/scalars.json``. Results go to ``WORK_DIR/summary.json``
+(``{"baseline": {"miou": <percent>, "saved_bytes": ..., "train_time_s": ..., "budget_plan":
+{"max_batch": ..., "per_image_bytes": ..., ...}, ...}, "mesa": {...}}``) and
+``WORK_DIR/summary.png`` (loss curves, memory bars and the largest batch in the budget).
 """
 from __future__ import annotations
 
@@ -48,6 +52,9 @@ class Schedule:
 
 FULL = Schedule(num_train=2000, num_val=200, size=64, max_iters=None)
 QUICK = Schedule(num_train=16, num_val=8, size=64, max_iters=6, batch_size=4, log_interval=2)
+# What the planner fills: at 64x64 the demo model's step peak is some 50 MiB of weights, gradients
+# and AdamW state plus a few MiB per image, so 1 GiB holds batches of hundreds.
+DEFAULT_BUDGET = '1GiB'
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument('--threads', type=int, default=1,
                         help='CPU threads of each training run and of the memory count '
                              '(default: 1)')
+    parser.add_argument('--budget', default=DEFAULT_BUDGET, metavar='SIZE',
+                        help='memory budget of the batch planner: GiB, or with a unit (512MiB); '
+                             f'default: {DEFAULT_BUDGET}')
     parser.add_argument('--sequential', action='store_true',
                         help='train one config after the other (by default both train at once '
                              'when there are two or more cores: each gets a core, the demo '
@@ -98,13 +108,16 @@ def option_args(options: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Activation memory: bytes saved for backward by one training step of each model.
-def measure_saved_bytes(options: dict[str, Any], seed: int) -> dict[str, dict[str, Any]]:
+# Memory: bytes saved for backward by one training step of each model, its step peak and what
+# fits in a budget.
+def measure_memory(options: dict[str, Any], seed: int, budget: int) -> dict[str, dict[str, Any]]:
     """Build both models from their configs with the same weights; measure steps on one batch.
 
     The first step counts what is saved for backward and, with its optimizer step, is the
-    warm-up; the second is tracked for its peak. Returns ``{name: dict(saved_bytes,
-    saved_by_type, step_peak_bytes, step_peak_by_category, step_peak_phase)}``.
+    warm-up; the second is tracked for its peak, the third (half the batch) too, and the two
+    peaks give each model's ``BatchPlan`` for ``budget`` bytes. Returns ``{name:
+    dict(saved_bytes, saved_by_type, step_peak_bytes, step_peak_by_category, step_peak_phase,
+    budget_plan)}``.
     """
     import numpy as np
     import torch
@@ -116,7 +129,7 @@ def measure_saved_bytes(options: dict[str, Any], seed: int) -> dict[str, dict[st
     from mmseg.utils import register_all_modules
 
     from mmseg_mesa import MesaConfig, convert_to_mesa
-    from mmseg_mesa.memory import count_saved_tensors, track_step_peak
+    from mmseg_mesa.memory import BatchPlan, count_saved_tensors, track_step_peak
 
     register_all_modules()
     cfgs = {}
@@ -129,6 +142,8 @@ def measure_saved_bytes(options: dict[str, Any], seed: int) -> dict[str, dict[st
     dataset = DATASETS.build(cfgs['baseline'].train_dataloader.dataset)
     batch_size = cfgs['baseline'].train_dataloader.batch_size
     batch = pseudo_collate([dataset[i] for i in range(min(batch_size, len(dataset)))])
+    if len(batch['inputs']) < 2:
+        raise SystemExit('demo: the planner needs a batch of at least 2 images')
 
     weights = None
     results = {}
@@ -155,17 +170,26 @@ def measure_saved_bytes(options: dict[str, Any], seed: int) -> dict[str, dict[st
         optimizer = build_optim_wrapper(model, cfg.optim_wrapper).optimizer
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        def step_loss(model: Any = model, data: dict = data) -> Any:
-            return model.parse_losses(model(**data, mode='loss'))[0]
+        half = len(data['data_samples']) // 2
+        small = dict(inputs=data['inputs'][:half].clone(), data_samples=data['data_samples'][:half])
+        peaks = []
+        for step_data in (data, small):
+            torch.manual_seed(seed)
 
-        peak = track_step_peak(model, optimizer, step_loss, data['inputs'],
-                               *[s.gt_sem_seg.data for s in data['data_samples']])
+            def step_loss(model: Any = model, step_data: dict = step_data) -> Any:
+                return model.parse_losses(model(**step_data, mode='loss'))[0]
+
+            peaks.append(track_step_peak(model, optimizer, step_loss, step_data['inputs'],
+                                         *[s.gt_sem_seg.data for s in step_data['data_samples']]))
+        peak, small_peak = peaks
+        plan = BatchPlan.fit(half, small_peak.phase_peaks, len(data['data_samples']),
+                             peak.phase_peaks)
         results[name] = dict(saved_bytes=int(report.total_bytes),
                              saved_by_type=dict(report.by_type.most_common()),
                              step_peak_bytes=peak.peak_bytes,
                              step_peak_by_category=peak.by_category,
-                             step_peak_phase=f'{peak.phase}: {peak.module or "-"}')
+                             step_peak_phase=f'{peak.phase}: {peak.module or "-"}',
+                             budget_plan=plan.summary(budget))
         del model, optimizer
     return results
 
@@ -262,17 +286,26 @@ def read_scalars(run_dir: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Report.
 def format_table(summary: dict[str, dict[str, Any]]) -> str:
+    from mmseg_mesa.memory import format_bytes
     base, mesa = summary['baseline'], summary['mesa']
     mib = 2.0 ** 20
+    plans = base['budget_plan'], mesa['budget_plan']
 
     def ratio(key: str) -> str:
         return f'{mesa[key] / base[key]:.3f}' if base[key] else '-'
+
+    def plan_ratio(key: str) -> str:
+        return f'{plans[1][key] / plans[0][key]:.3f}' if plans[0][key] else '-'
 
     rows = [
         ('saved for backward, 1 step (MiB)', f'{base["saved_bytes"] / mib:.2f}',
          f'{mesa["saved_bytes"] / mib:.2f}', ratio('saved_bytes')),
         ('peak of one training step (MiB)', f'{base["step_peak_bytes"] / mib:.2f}',
          f'{mesa["step_peak_bytes"] / mib:.2f}', ratio('step_peak_bytes')),
+        ('step peak per image (MiB)', *(f'{p["per_image_bytes"] / mib:.2f}' for p in plans),
+         plan_ratio('per_image_bytes')),
+        (f'largest batch in {format_bytes(plans[0]["budget_bytes"])} (planned)',
+         *(str(p['max_batch']) for p in plans), plan_ratio('max_batch')),
         ('wall time of training (s)', f'{base["train_time_s"]:.1f}',
          f'{mesa["train_time_s"]:.1f}', ratio('train_time_s')),
         ('CPU time of training (s)', f'{base["cpu_time_s"]:.1f}',
@@ -289,36 +322,53 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
     return '\n'.join(lines)
 
 
-def plot(summary: dict[str, dict[str, Any]], curves: dict[str, dict[str, list]], path: str
-         ) -> None:
-    """Loss curves, bars of saved activations and of a training step's peak (own axes)."""
+def summary_figure(summary: dict[str, dict[str, Any]], curves: dict[str, dict[str, list]]
+                   ) -> Any:
+    """Loss curves; bars of saved activations, of a training step's peak and of the largest
+    batch in the planner's budget, each on its own axes."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
+    from mmseg_mesa.memory import format_bytes
+
     names = list(summary)
     colours = {name: f'C{k}' for k, name in enumerate(names)}
-    fig, (ax_loss, ax_saved, ax_peak) = plt.subplots(
-        1, 3, figsize=(13, 4), gridspec_kw=dict(width_ratios=[2, 1, 1]))
+    fig, (ax_loss, ax_saved, ax_peak, ax_batch) = plt.subplots(
+        1, 4, figsize=(16, 4.2), gridspec_kw=dict(width_ratios=[2, 1, 1, 1]))
     for name in names:
         ax_loss.plot(curves[name]['iter'], curves[name]['loss'], color=colours[name],
                      label=f'{name} (val mIoU {summary[name]["miou"]:.1f}%)')
-    ax_loss.set(xlabel='iteration', ylabel='training loss', title='Training loss')
+    ax_loss.set(xlabel='iteration', ylabel='training loss')
+    ax_loss.set_title('Training loss', fontsize=10)
     ax_loss.legend()
     ax_loss.grid(alpha=0.3)
 
     mib = 2.0 ** 20
-    ratio = summary['mesa']['saved_bytes'] / max(1, summary['baseline']['saved_bytes'])
-    for ax, key, title in (
-            (ax_saved, 'saved_bytes', f'Saved for backward, 1 step\n(mesa/baseline = {ratio:.2f})'),
-            (ax_peak, 'step_peak_bytes', 'Peak of one training step\n(tensors: weights, '
-             'grads, AdamW, activations)')):
-        bars = ax.bar(names, [summary[n][key] / mib for n in names],
-                      color=[colours[n] for n in names])
-        ax.bar_label(bars, fmt='%.1f')
-        ax.set(ylabel='MiB', title=title)
+    budget = format_bytes(summary['baseline']['budget_plan']['budget_bytes'])
+    for ax, values, fmt, ylabel, title in (
+            (ax_saved, [summary[n]['saved_bytes'] / mib for n in names], '%.1f', 'MiB',
+             'Saved for backward, 1 step'),
+            (ax_peak, [summary[n]['step_peak_bytes'] / mib for n in names], '%.1f', 'MiB',
+             'Peak of one training step\n(weights, gradients, AdamW, activations)'),
+            (ax_batch, [summary[n]['budget_plan']['max_batch'] for n in names], '%d', 'images',
+             f'Largest batch in {budget}, planned')):
+        ratio = values[names.index('mesa')] / max(values[names.index('baseline')], 1e-9)
+        title = f'{title}\n(mesa/baseline = {ratio:.2f})'
+        bars = ax.bar(names, values, color=[colours[n] for n in names])
+        ax.bar_label(bars, fmt=fmt)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
         ax.margins(y=0.15)
     fig.tight_layout()
+    return fig
+
+
+def plot(summary: dict[str, dict[str, Any]], curves: dict[str, dict[str, list]], path: str
+         ) -> None:
+    """``summary_figure`` as a PNG."""
+    import matplotlib.pyplot as plt
+    fig = summary_figure(summary, curves)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -340,12 +390,20 @@ def main() -> None:
           f'{"written" if data["written"] else "already there"})', flush=True)
 
     import torch
+
+    from mmseg_mesa.memory import format_bytes, parse_bytes
+    try:
+        budget = parse_bytes(args.budget)
+    except ValueError as error:
+        raise SystemExit(f'demo: --budget: {error}') from None
     torch.set_num_threads(args.threads)
     options = cfg_options(data_root, args.seed, schedule)
-    memory = measure_saved_bytes(options, args.seed)
+    memory = measure_memory(options, args.seed, budget)
     for name, result in memory.items():
+        plan = result['budget_plan']
         print(f'demo: {name}: one training step saves {result["saved_bytes"] / 2**20:.2f} MiB '
-              'for backward', flush=True)
+              f'for backward; planned: batch {plan["max_batch"]} in {format_bytes(budget)}',
+              flush=True)
 
     summary: dict[str, dict[str, Any]] = {}
     curves = {}
@@ -361,6 +419,9 @@ def main() -> None:
                              config=config)
     summary['mesa']['saved_bytes_ratio'] = round(
         summary['mesa']['saved_bytes'] / max(1, summary['baseline']['saved_bytes']), 4)
+    summary['mesa']['max_batch_ratio'] = round(
+        summary['mesa']['budget_plan']['max_batch']
+        / max(1, summary['baseline']['budget_plan']['max_batch']), 4)
 
     with open(osp.join(work_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)
@@ -368,7 +429,9 @@ def main() -> None:
     print('\n' + format_table(summary))
     print('(The step peak counts tensors only: weights, gradients, AdamW state, activations '
           'and\n temporaries, as torch\'s MemTracker follows them; the process RSS, mostly the '
-          'libraries,\n is in summary.json as peak_rss_bytes.)')
+          'libraries,\n is in summary.json as peak_rss_bytes. The largest batch is predicted: '
+          'each phase\'s peak\n fitted as fixed + per image x batch from the steps at the full '
+          'and half batch.)')
     print(f'\ndemo: done in {time.perf_counter() - start:.0f} s; '
           f'wrote {osp.join(work_dir, "summary.json")} and summary.png', flush=True)
 
