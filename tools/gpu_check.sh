@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU run in one command; everything it does is in tools/gpu_check.py (read its docstring).
+# The GPU run in one command: tools/gpu_check.py (its docstring says what runs) and the
+# gpu_check/ package beside it.
 #
 # On the lent GPU machine (the device tool's `run`, carry [".gpu-wheels"], timeout_s 600):
 #     bash tools/gpu_check.sh                      # results under $OUT
