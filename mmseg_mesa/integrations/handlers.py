@@ -1,6 +1,9 @@
 """Handlers for mmcv / mmseg module types (registered when those packages import)."""
 from __future__ import annotations
 
+from torch import nn
+
+from ..config import MesaConfig
 from ..registry import register_alias, register_handler, swap_to
 
 
@@ -11,8 +14,8 @@ def register_openmmlab_handlers() -> None:
     from mmcv.cnn.bricks.drop import DropPath
     from mmseg.models.backbones.swin import WindowMSA
     from mmseg.models.decode_heads.decode_head import BaseDecodeHead
+    from mmseg.models.decode_heads.knet_head import KernelUpdator
     from mmseg.models.decode_heads.uper_head import UPerHead
-    from torch import nn
 
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .modules import MesaDecodeHead, MesaDropPath, MesaWindowMSA
@@ -31,6 +34,7 @@ def register_openmmlab_handlers() -> None:
                      lambda m: None if 0.0 < m.drop_prob < 1.0 else
                      f'drop_prob={m.drop_prob} saves no mask')
     register_functional_handlers()
+    register_handler(KernelUpdator, 'product', convert_kernel_updator, replaces=())
     # Heads override forward but not loss_by_feat, the one method the Mesa head replaces; a
     # head with its own loss_by_feat (PointHead, DAHead, ...) is left by that rule.
     register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead),
@@ -41,6 +45,23 @@ def register_openmmlab_handlers() -> None:
                      replaces=('loss_by_feat', '_forward_feature'))
 
 
+def convert_kernel_updator(module: nn.Module, config: MesaConfig) -> None:
+    """K-Net's ``KernelUpdator``: its own products and its Linears' inputs, one group per row.
+
+    Each row is one (image, class) proposal: ``x_feat`` is a mask-weighted sum over the image,
+    so rows differ in scale by their masks' mass, up to four orders of magnitude in one batch,
+    and the small rows carry most of the gradient. Channel groups give them a step larger than
+    their values (``dynamic_layer``'s weight gradient cosine 0.17 on ``knet-s3_swin-t`` without
+    ``init_weights()``); row groups hold it at 1.000 (docs/benchmarks.md). The Linears stay
+    the Linear handler's to convert (``skip`` and the report apply to them as to any Linear).
+    """
+    from ..layers.functional import MesaFunctional
+
+    for child in (module, *(c for c in module.children() if isinstance(c, nn.Linear))):
+        child.mesa_row_groups = True
+    MesaFunctional.convert(module, config)
+
+
 def functional_types() -> dict[type, str]:
     """Modules whose own forward calls matmul / softmax / products / F.linear functionally,
     with their layer type.
@@ -48,8 +69,7 @@ def functional_types() -> dict[type, str]:
     ``MesaFunctional`` wraps their forward (it replaces no method), so their subclasses (MAE's
     attention, DANet's PAM, DNL's non-local block) are converted with their own forwards.
     Measured and left out: Hamburger's NMF2D (its multiplicative updates turn 8-bit noise in
-    the coefficients into a whole-gradient error of 0.11 on SegNeXt-T, 0.0035 without) and
-    KNet's kernel update head and updator (0.038 against 0.013 on KNet-S3 R50, 64x64).
+    the coefficients into a whole-gradient error of 0.11 on SegNeXt-T, 0.0035 without).
     """
     from mmcv.cnn.bricks.context_block import ContextBlock
     from mmcv.cnn.bricks.non_local import NonLocal2d

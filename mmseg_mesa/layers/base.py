@@ -3,6 +3,7 @@ forward records for its backward, the weighted layers' forward and backward, bac
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -26,6 +27,13 @@ def quant_spec(config: MesaConfig, group_dim: int, group_size: int | None = None
                      group_size=config.group_size if group_size is None else group_size,
                      stochastic=config.stochastic_rounding, ema_decay=config.ema_decay,
                      backend=config.backend)
+
+
+def row_group_config(config: MesaConfig) -> MesaConfig:
+    """The config of quantizers with one group per row: Mesa's quantizer (DIVISION's low-pass
+    needs channels), and the batch's own range, since a row index is a different image and
+    class each batch and a running estimate would only widen its range."""
+    return dataclasses.replace(config, compressor='mesa', ema_decay=0.0)
 
 
 def make_quantizer(config: MesaConfig, group_dim: int, group_size: int | None = None
@@ -53,6 +61,10 @@ class MesaModule:
     # The activations a layer saves: attribute name -> (group_dim, group_size), where a
     # group_size of None means the config's channel groups. One ActivationQuantizer each.
     mesa_quantizers: dict[str, tuple[int, int | None]] = {}
+    # Set on an instance before its conversion by a parent that knows the rows of its inputs
+    # (dim 0) are unrelated vectors of very different scales (K-Net's proposals): every
+    # quantizer then gets one group per row over the batch's own range.
+    mesa_row_groups: bool = False
 
     def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
         """Build the torch module from its usual arguments, then attach Mesa."""
@@ -62,7 +74,11 @@ class MesaModule:
     def mesa_setup(self, config: MesaConfig) -> None:
         """Attach the quantizers; called once after the class swap (or from ``__init__``)."""
         self.mesa_config = config
+        if self.mesa_row_groups:
+            config = row_group_config(config)
         for name, (group_dim, group_size) in self.mesa_quantizers.items():
+            if self.mesa_row_groups:
+                group_dim, group_size = 0, 1
             setattr(self, name, make_quantizer(config, group_dim, group_size))
 
     @classmethod

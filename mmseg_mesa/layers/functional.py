@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, make_quantizer, no_autocast_backward, sum_to
+from .base import MesaModule, make_quantizer, no_autocast_backward, row_group_config, sum_to
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
 from .softmax import MesaSoftmaxFunction
@@ -127,11 +127,15 @@ class _Capture(TorchFunctionMode):
             return None
         self.calls += 1
         sites = self.owner.mesa_sites
+        layer_config = config.for_layer(kind)
+        if self.owner.mesa_row_groups:
+            layer_config = row_group_config(layer_config)
+            roles = {role: (0, 1) for role in roles}
         out = []
         for role, (group_dim, group_size) in roles.items():
             key = f'{self.calls}_{kind}_{role}'
             if key not in sites:
-                sites[key] = make_quantizer(config.for_layer(kind), group_dim, group_size)
+                sites[key] = make_quantizer(layer_config, group_dim, group_size)
             out.append(sites[key])
         return out
 
