@@ -11,7 +11,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, Mapped, Packed, attach_codes, unpack
 from ..saved import PackedMask, load, save
-from .base import MesaModule, no_autocast_backward
+from .base import MesaModule, no_autocast_backward, record_input
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -35,8 +35,7 @@ class MesaGELUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, approximate: str,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         ctx.approximate = approximate
         y = F.gelu(x, approximate=approximate)
         packed = quantizer.pack(x)

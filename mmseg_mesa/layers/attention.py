@@ -18,7 +18,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, autocast_cast, no_autocast_backward
+from .base import MesaModule, autocast_inputs, no_autocast_backward
 from .dropout import MesaDropout
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMul
@@ -40,14 +40,12 @@ class MesaInProjectionFunction(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor | None,
                 quantizers: tuple[ActivationQuantizer, ...]) -> tuple[torch.Tensor, ...]:
-        ctx.device_type = q.device.type
-        ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)
-        qc, kc, vc, wc, bc = autocast_cast(q, k, v, weight, bias)
+        qc, kc, vc, wc, bc = autocast_inputs(ctx, q, k, v, weight, bias)
+        ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)  # q, k and v may differ in dtype
         weights = wc.chunk(3)
         biases = bc.chunk(3) if bc is not None else (None, None, None)
         with torch.autocast(ctx.device_type, enabled=False):
             outs = tuple(F.linear(x, w, b) for x, w, b in zip((qc, kc, vc), weights, biases))
-        ctx.compute_dtype = qc.dtype
         ctx.shared = _same_data(q, k) and _same_data(q, v)
         packed: list = [None, None, None]
         if ctx.needs_input_grad[3]:

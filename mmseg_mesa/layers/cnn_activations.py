@@ -25,7 +25,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
-from .base import MesaModule, autocast_cast, no_autocast_backward, sum_to
+from .base import MesaModule, autocast_inputs, no_autocast_backward, record_input, sum_to
 
 
 def comparable(x: torch.Tensor) -> torch.Tensor:
@@ -124,8 +124,7 @@ class MesaSmoothFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                 kind: str, inplace: bool, quantizer: ActivationQuantizer) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         ctx.kind = kind
         from_output, _ = _SMOOTH[kind]
         packed = None if from_output else quantizer.pack(x)
@@ -183,8 +182,7 @@ class MesaHardswishFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, inplace: bool, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         xf = comparable(x)
         inside = PackedMask.of((xf > -3) & (xf < 3))
         packed = quantizer.pack(x.detach().clamp(-3.0, 3.0))
@@ -221,8 +219,7 @@ class MesaELUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, alpha: float, inplace: bool,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         ctx.alpha = alpha
         positive = comparable(x) > 0
         if inplace:
@@ -257,12 +254,9 @@ class MesaPReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
-        xc, wc = autocast_cast(x, weight)
+        xc, wc = autocast_inputs(ctx, x, weight)
         with torch.autocast(ctx.device_type, enabled=False):
             y = F.prelu(xc, wc)
-        ctx.compute_dtype = xc.dtype
         positive = xc > 0
         packed = (quantizer.pack(xc.detach().masked_fill(positive, 0))
                   if ctx.needs_input_grad[1] else None)

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, no_autocast_backward
+from .base import MesaModule, no_autocast_backward, record_input
 from .norm import normalized, normalized_input_grad
 
 
@@ -33,8 +33,7 @@ class MesaGroupNormFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, eps: float, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         ctx.num_groups = num_groups
         y = F.group_norm(x, num_groups, weight, bias, eps)
         x_norm, rstd = normalized(grouped(x, num_groups), 2, eps)

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, packed_reusing, unpack
 from ..saved import load, save
-from .base import MesaModule, autocast_cast, no_autocast_backward, sum_to
+from .base import MesaModule, autocast_inputs, no_autocast_backward, sum_to
 
 
 class MesaMatMulFunction(torch.autograd.Function):
@@ -16,11 +16,9 @@ class MesaMatMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, quant_a: ActivationQuantizer,
                 quant_b: ActivationQuantizer) -> torch.Tensor:
-        ctx.device_type = a.device.type
-        ac, bc = autocast_cast(a, b)
+        ac, bc = autocast_inputs(ctx, a, b)
         with torch.autocast(ctx.device_type, enabled=False):
             y = torch.matmul(ac, bc)
-        ctx.compute_dtype = ac.dtype
         ctx.a_meta = (a.shape, a.dtype)
         ctx.b_meta = (b.shape, b.dtype)
         # grad of a needs b and vice versa.

@@ -10,7 +10,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, channel_dot, no_autocast_backward
+from .base import MesaModule, channel_dot, no_autocast_backward, record_input
 
 
 def moments(x: torch.Tensor, dims: tuple[int, ...] | int, eps: float
@@ -55,8 +55,7 @@ class MesaLayerNormFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, normalized_shape: tuple, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, eps: float, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         ctx.norm_dims = tuple(range(-len(normalized_shape), 0))
         y = F.layer_norm(x, normalized_shape, weight, bias, eps)
         x_norm, rstd = normalized(x, ctx.norm_dims, eps)
@@ -127,8 +126,7 @@ class MesaBatchNormFunction(torch.autograd.Function):
                 bias: torch.Tensor | None, running_mean: torch.Tensor | None,
                 running_var: torch.Tensor | None, momentum: float, eps: float,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         ctx.eps = eps
         y = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
         packed, invstd = pack_channel_normalized(x, eps, quantizer)

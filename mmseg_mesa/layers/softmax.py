@@ -9,7 +9,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, attach_codes, unpack
 from ..saved import load, save
-from .base import MesaModule, no_autocast_backward
+from .base import MesaModule, no_autocast_backward, record_input
 
 
 class MesaSoftmaxFunction(torch.autograd.Function):
@@ -17,8 +17,7 @@ class MesaSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         ctx.dim = dim
         y = F.softmax(x, dim)
         packed = quantizer.pack(y)

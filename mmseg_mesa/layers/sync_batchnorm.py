@@ -38,7 +38,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, no_autocast_backward
+from .base import MesaModule, no_autocast_backward, record_input
 from .norm import (
     MesaBatchNormFunction,
     batch_norm_grads,
@@ -101,8 +101,7 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
                 running_var: torch.Tensor | None, momentum: float, eps: float,
                 process_group: Any, world_size: int, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
-        ctx.device_type = x.device.type
-        ctx.input_dtype = x.dtype
+        record_input(ctx, x)
         ctx.eps = eps
         ctx.process_group = process_group
         # batch_norm is not an autocast op: output in the input dtype, statistics in fp32.
