@@ -122,3 +122,25 @@ def test_autocast_forward_is_bit_identical():
         y, gx = step(ours, x)
     assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
     assert cosine(gx, gx_ref) >= 0.99
+
+
+class ListOfLayers(nn.Module):
+    """Children in a ModuleList, called one by one from the module's forward (K-Net's
+    mask_fcs): a ModuleList is never called itself, so its items are the children that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.named = nn.ModuleDict({'out': nn.Linear(8, 8)})
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.named['out'](x) * x
+
+
+def test_calls_made_by_children_in_containers_are_theirs():
+    ours = converted(ListOfLayers())
+    ours(torch.randn(3, 8, requires_grad=True))
+    # only the module's own product: the Linears' F.linear calls are their own
+    assert [key.split('_', 1)[1] for key in ours.mesa_sites] == ['product_a', 'product_b']

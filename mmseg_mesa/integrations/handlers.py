@@ -78,11 +78,14 @@ def functional_types() -> dict[type, str]:
     from mmseg.models.backbones.twins import LocallyGroupedSelfAttention
     from mmseg.models.decode_heads.apc_head import ACM
     from mmseg.models.decode_heads.da_head import CAM
+    from mmseg.models.decode_heads.knet_head import KernelUpdateHead
     from mmseg.models.decode_heads.ocr_head import SpatialGatherModule
     from mmseg.models.utils.self_attention_block import SelfAttentionBlock
 
+    # KernelUpdateHead: the mask softmax, the mask-weighted sum (einsum) and the convolution
+    # with its dynamic kernels
     attention = (BEiTAttention, LocallyGroupedSelfAttention, SelfAttentionBlock,
-                 SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock)
+                 SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock, KernelUpdateHead)
     # layer scale (x * gamma) and gated convolutions (attn * u)
     products = (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock)
     return {**{t: 'attention' for t in attention}, **{t: 'product' for t in products}}

@@ -159,6 +159,11 @@ def no_autocast_backward(backward: Callable) -> Callable:
     return wrapper
 
 
+def restore(saved: torch.Tensor | Codes, dtype: torch.dtype) -> torch.Tensor:
+    """What a backward reads of a saved operand: a tensor kept as it is, or decoded codes."""
+    return saved.to(dtype) if isinstance(saved, torch.Tensor) else unpack(saved, dtype)
+
+
 def sum_to(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """Reduce a broadcast gradient to the shape and dtype of the input it belongs to."""
     if grad.shape != shape:

@@ -1,7 +1,8 @@
 """Compressing what a module's *own* forward computes functionally (``q @ k``, ``softmax``, ...).
 
-mmseg's BEiT / MAE / Twins attention, OCR's context blocks and SegNeXt's gated convolutions call
-``torch.matmul``, ``Tensor.softmax``, ``F.linear`` and element-wise products in their forward
+mmseg's BEiT / MAE / Twins attention, OCR's context blocks, SegNeXt's gated convolutions and
+K-Net's kernel update head call ``torch.matmul``, ``Tensor.softmax``, ``F.linear``, element-wise
+products, ``torch.einsum`` and ``F.conv2d`` with kernels of their own making in their forward
 instead of through modules, so no module handler sees them. Rather than rewriting each forward,
 ``MesaFunctional`` runs the module's own forward under a ``TorchFunctionMode`` that routes those
 calls, and only those made by this module itself (not by its child modules, which have handlers
@@ -18,12 +19,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.utils import _pair
 from torch.overrides import TorchFunctionMode
 
 from ..config import MesaConfig
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer
 from ..saved import load, save
-from .base import MesaModule, make_quantizer, no_autocast_backward, row_group_config, sum_to
+from .base import (
+    MesaModule,
+    make_quantizer,
+    no_autocast_backward,
+    record_input,
+    restore,
+    row_group_config,
+    sum_to,
+)
+from .conv import MesaConv2dFunction
+from .einsum import MesaEinsumFunction, gradient_equations
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
 from .softmax import MesaSoftmaxFunction
@@ -37,6 +49,8 @@ _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bm
 _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax}
 _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 _LINEARS = {F.linear}
+_EINSUMS = {torch.einsum}
+_CONVS = {F.conv2d, torch.conv2d}
 
 
 class MesaMulFunction(torch.autograd.Function):
@@ -47,7 +61,7 @@ class MesaMulFunction(torch.autograd.Function):
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor,
                 quant_a: ActivationQuantizer | None, quant_b: ActivationQuantizer | None
                 ) -> torch.Tensor:
-        ctx.device_type = a.device.type
+        record_input(ctx, a)
         ctx.a_meta = (a.shape, a.dtype)
         ctx.b_meta = (b.shape, b.dtype)
         y = torch.mul(a, b)
@@ -64,14 +78,10 @@ class MesaMulFunction(torch.autograd.Function):
         saved_a, saved_b = load(ctx)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = sum_to(grad * _restore(saved_b, grad.dtype), *ctx.a_meta)
+            grad_a = sum_to(grad * restore(saved_b, grad.dtype), *ctx.a_meta)
         if ctx.needs_input_grad[1]:
-            grad_b = sum_to(grad * _restore(saved_a, grad.dtype), *ctx.b_meta)
+            grad_b = sum_to(grad * restore(saved_a, grad.dtype), *ctx.b_meta)
         return grad_a, grad_b, None, None
-
-
-def _restore(saved: Any, dtype: torch.dtype) -> torch.Tensor:
-    return saved.to(dtype) if isinstance(saved, torch.Tensor) else unpack(saved, dtype)
 
 
 def _is_activation(t: Any) -> bool:
@@ -149,7 +159,10 @@ class _Capture(TorchFunctionMode):
                     return MesaMatMulFunction.apply(a, b, *site)
         elif func in _SOFTMAXES:
             x, dim = _softmax_args(func, args, kwargs)
-            if x is not None and x.requires_grad and x.dim() >= 2:
+            # Rows of attention (the last dim) only: probabilities across the channels of a map
+            # (K-Net's class masks) are small next to each channel's largest one, below the
+            # step of a per-channel range (docs/benchmarks.md, "Gradient fidelity").
+            if x is not None and x.requires_grad and x.dim() >= 2 and dim % x.dim() == x.dim() - 1:
                 site = self._site('softmax', {'output': (1, 1)})
                 if site is not None:
                     return MesaSoftmaxFunction.apply(x, dim, *site)
@@ -157,7 +170,41 @@ class _Capture(TorchFunctionMode):
             return self._product(*args)
         elif func in _LINEARS:
             return self._linear(*args, **kwargs)
+        elif func in _EINSUMS:
+            return self._einsum(args, kwargs)
+        elif func in _CONVS:
+            return self._conv2d(*args, **kwargs)
         return None
+
+    def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        if kwargs or len(args) != 3 or not isinstance(args[0], str):
+            return None
+        equation, a, b = args
+        if not (_is_activation(a) and _is_activation(b) and (a.requires_grad or b.requires_grad)
+                and gradient_equations(equation) is not None):
+            return None
+        # A softmax's output is held in full by the softmax itself: packing it would save
+        # nothing and add its error.
+        pack = {role: t for role, t in (('a', a), ('b', b)) if not _softmax_output(t)}
+        site = self._site('matmul', {role: (_product_group_dim(t), 1) for role, t in pack.items()})
+        if site is None or not pack:
+            return None
+        quantizers = dict(zip(pack, site))
+        return MesaEinsumFunction.apply(equation, a, b, quantizers.get('a'), quantizers.get('b'))
+
+    def _conv2d(self, input: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                dilation: Any = 1, groups: int = 1) -> torch.Tensor | None:
+        """A convolution the module runs with a weight of its own making (K-Net's dynamic
+        kernels); numeric padding only, as ``MesaConv2d``."""
+        if not (_is_activation(input) and input.dim() == 4 and weight.requires_grad
+                and not isinstance(padding, str)):
+            return None
+        site = self._site('conv2d', {'input': (1, None)})
+        if site is None:
+            return None
+        return MesaConv2dFunction.apply(input, weight, bias, _pair(stride), _pair(padding),
+                                        _pair(dilation), groups, *site)
 
     def _product(self, a: Any, b: Any) -> torch.Tensor | None:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
@@ -198,9 +245,26 @@ def _softmax_args(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor | 
     return x, dim
 
 
+def _softmax_output(t: torch.Tensor) -> bool:
+    """Whether ``t`` is what torch's own softmax returned (its node saves it in full)."""
+    return type(t.grad_fn).__name__ == 'SoftmaxBackward0'
+
+
 def _product_group_dim(t: torch.Tensor) -> int:
     """Channels of NCHW feature maps (dim 1), else of token features (last dim)."""
     return 1 if t.dim() == 4 else -1
+
+
+def _called_children(module: nn.Module) -> list[nn.Module]:
+    """The children a forward calls: direct children, and the items of ``ModuleList`` /
+    ``ModuleDict`` containers (which are never called themselves), recursively."""
+    found = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found.extend(_called_children(child))
+        else:
+            found.append(child)
+    return found
 
 
 class MesaFunctional(MesaModule, nn.Module):
@@ -217,7 +281,7 @@ class MesaFunctional(MesaModule, nn.Module):
         super().mesa_setup(config)
         self.mesa_sites = nn.ModuleDict()
         self.mesa_child_depth = 0
-        for child in self.children():
+        for child in _called_children(self):
             if child is not self.mesa_sites:
                 child.register_forward_pre_hook(_ChildDepth(self, 1))
                 child.register_forward_hook(_ChildDepth(self, -1))
