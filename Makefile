@@ -58,7 +58,7 @@ benchmark-kernels: env
 info: env
 	$(PY) -m mmseg_mesa.info
 
-# The GPU run (tools/gpu_check.sh; README "Checking on a GPU"). `make gpu-wheels` here fills
+# The GPU run (tools/gpu_check.sh; CONTRIBUTING.md, "Checking on a GPU"). `make gpu-wheels` here fills
 # .gpu-wheels/ for the GPU machine, where `make gpu-check` runs it (no .venv there: python3);
 # `make gpu-check DRY_RUN=1` is its CPU dry run here, into work_dirs/gpu_check/.
 .PHONY: gpu-wheels gpu-check

@@ -1,4 +1,4 @@
-// CUDA kernels of Mesa's activation quantizer; mmseg_mesa/quantizer.py is the reference.
+// CUDA kernels of Mesa's activation quantizer; mmseg_mesa/reference.py is the reference.
 //
 // Numerics follow the reference operation by operation, each rounded once as torch rounds it:
 //   observe:    per-group min/max over finite values; EMA  decay * old + (1 - decay) * new.

@@ -1,8 +1,9 @@
 """The compiled CUDA kernels, as the functions ``quantizer.py`` calls through ``_backend``.
 
 Importing this module loads ``mmseg_mesa._C``, which registers ``torch.ops.mmseg_mesa.*``
-(sources in ``csrc/``). Each function mirrors a step of the pure-PyTorch reference in
-``quantizer.py`` and gives bit-identical results under deterministic rounding.
+(sources in ``csrc/``). Each function mirrors a step of the pure-PyTorch reference
+(``reference.py`` for quantize / dequantize, ``quantizer.py`` for the running estimates) and
+gives bit-identical results under deterministic rounding.
 
 Supported: contiguous CUDA tensors of float32, float16, bfloat16 or float64; fp32 per-group
 ``lower``/``scale``/``span`` and bool ``seen`` of shape ``(ceil(channels / group_size),)``.

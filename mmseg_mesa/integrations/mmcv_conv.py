@@ -2,7 +2,7 @@
 
 Both run the steps of their mmcv forward that come before the convolution as they are (weight
 standardization, TensorFlow-style "same" padding) and the convolution itself through
-``MesaConv2dFunction``, so the output is bit-identical and the saved input is 8-bit.
+``MesaConv2dFunction``, so the output is bit-identical and the saved input is ``bits``-bit.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def standardized_weight(weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class MesaConvWS2d(MesaConv2d, ConvWS2d):
-    """mmcv ``ConvWS2d`` (weight standardization) with an 8-bit saved input.
+    """mmcv ``ConvWS2d`` (weight standardization) with a ``bits``-bit saved input.
 
     The standardization stays in autograd (it acts on the weight, not the activation); like
     mmcv's forward, the convolution pads with zeros whatever ``padding_mode`` says.
@@ -52,7 +52,7 @@ def same_padding(module: Conv2dAdaptivePadding, x: torch.Tensor) -> tuple[int, i
 
 
 class MesaConv2dAdaptivePadding(MesaConv2d, Conv2dAdaptivePadding):
-    """mmcv ``Conv2dAdaptivePadding`` (MobileNetV3) with an 8-bit saved input.
+    """mmcv ``Conv2dAdaptivePadding`` (MobileNetV3) with a ``bits``-bit saved input.
 
     The zero padding is applied inside the Function, so the padded copy is not saved in full
     precision; backward slices its gradient off again.
