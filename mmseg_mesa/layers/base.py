@@ -164,6 +164,20 @@ def restore(saved: torch.Tensor | Codes, dtype: torch.dtype) -> torch.Tensor:
     return saved.to(dtype) if isinstance(saved, torch.Tensor) else unpack(saved, dtype)
 
 
+def operand_gradients(ctx: Any, grad: torch.Tensor, first: int,
+                      grad_a: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      grad_b: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward of a two-operand product whose operands are the forward's arguments
+    ``first`` and ``first + 1`` and whose forward saved ``save(ctx, saved_a, saved_b)``:
+    ``grad_a(grad, b)`` where ``a`` needs a gradient, ``grad_b(grad, a)`` where ``b`` does, each
+    operand restored in ``grad``'s dtype."""
+    saved_a, saved_b = load(ctx)
+    need_a, need_b = ctx.needs_input_grad[first:first + 2]
+    return (grad_a(grad, restore(saved_b, grad.dtype)) if need_a else None,
+            grad_b(grad, restore(saved_a, grad.dtype)) if need_b else None)
+
+
 def sum_to(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """Reduce a broadcast gradient to the shape and dtype of the input it belongs to."""
     if grad.shape != shape:

@@ -6,8 +6,8 @@ from typing import Any
 import torch
 
 from ..quantizer import ActivationQuantizer, packed_reusing
-from ..saved import load, save
-from .base import no_autocast_backward, record_input, restore
+from ..saved import save
+from .base import no_autocast_backward, operand_gradients, record_input
 
 
 def gradient_equations(equation: str) -> tuple[str, str] | None:
@@ -57,12 +57,7 @@ class MesaEinsumFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        packed_a, packed_b = load(ctx)
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[1]:
-            grad_a = torch.einsum(ctx.equations[0], grad, restore(packed_b, grad.dtype))
-            grad_a = grad_a.to(ctx.dtypes[0])
-        if ctx.needs_input_grad[2]:
-            grad_b = torch.einsum(ctx.equations[1], grad, restore(packed_a, grad.dtype))
-            grad_b = grad_b.to(ctx.dtypes[1])
-        return None, grad_a, grad_b, None, None
+        (grad_out_b_to_a, grad_out_a_to_b), (dtype_a, dtype_b) = ctx.equations, ctx.dtypes
+        return (None, *operand_gradients(
+            ctx, grad, 1, lambda g, b: torch.einsum(grad_out_b_to_a, g, b).to(dtype_a),
+            lambda g, a: torch.einsum(grad_out_a_to_b, g, a).to(dtype_b)), None, None)

@@ -24,13 +24,13 @@ from torch.overrides import TorchFunctionMode
 
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer
-from ..saved import load, save
+from ..saved import save
 from .base import (
     MesaModule,
     make_quantizer,
     no_autocast_backward,
+    operand_gradients,
     record_input,
-    restore,
     row_group_config,
     sum_to,
 )
@@ -75,13 +75,8 @@ class MesaMulFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        saved_a, saved_b = load(ctx)
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = sum_to(grad * restore(saved_b, grad.dtype), *ctx.a_meta)
-        if ctx.needs_input_grad[1]:
-            grad_b = sum_to(grad * restore(saved_a, grad.dtype), *ctx.b_meta)
-        return grad_a, grad_b, None, None
+        return (*operand_gradients(ctx, grad, 0, lambda g, b: sum_to(g * b, *ctx.a_meta),
+                                   lambda g, a: sum_to(g * a, *ctx.b_meta)), None, None)
 
 
 def _is_activation(t: Any) -> bool:

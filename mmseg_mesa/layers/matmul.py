@@ -6,9 +6,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, packed_reusing, unpack
-from ..saved import load, save
-from .base import MesaModule, autocast_inputs, no_autocast_backward, sum_to
+from ..quantizer import ActivationQuantizer, packed_reusing
+from ..saved import save
+from .base import MesaModule, autocast_inputs, no_autocast_backward, operand_gradients, sum_to
 
 
 class MesaMatMulFunction(torch.autograd.Function):
@@ -30,16 +30,10 @@ class MesaMatMulFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        packed_a, packed_b = load(ctx)
-        grad = grad.to(ctx.compute_dtype)
-        grad_a = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_a = grad @ unpack(packed_b, grad.dtype).transpose(-2, -1)
-            grad_a = sum_to(grad_a, *ctx.a_meta)
-        if ctx.needs_input_grad[1]:
-            grad_b = unpack(packed_a, grad.dtype).transpose(-2, -1) @ grad
-            grad_b = sum_to(grad_b, *ctx.b_meta)
-        return grad_a, grad_b, None, None
+        return (*operand_gradients(
+            ctx, grad.to(ctx.compute_dtype), 0,
+            lambda g, b: sum_to(g @ b.transpose(-2, -1), *ctx.a_meta),
+            lambda g, a: sum_to(a.transpose(-2, -1) @ g, *ctx.b_meta)), None, None)
 
 
 class MatMul(nn.Module):
