@@ -122,6 +122,15 @@ def saved_bytes(module, xs):
     return report.total_bytes, out
 
 
+def check_forward_is_bit_identical(case: Case, dtype: torch.dtype, train: bool) -> None:
+    """The converted layer's output is torch's, bit for bit, in training and in eval mode."""
+    ref, ours = pair(case, dtype)
+    ref.train(train)
+    ours.train(train)
+    xs = case.inputs(dtype)
+    assert torch.equal(run(ref, xs), run(ours, clones(xs)))
+
+
 def check_disabled_and_eval(case: Case) -> None:
     """Disabled: the torch path, saving exactly what torch saves. Eval: bit-identical outputs
     and running estimates untouched."""

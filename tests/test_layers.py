@@ -17,6 +17,7 @@ from layer_cases import (
     backward_both,
     check_autocast,
     check_disabled_and_eval,
+    check_forward_is_bit_identical,
     clones,
     grad_pairs,
     pair,
@@ -36,11 +37,7 @@ IDS = [c.name for c in CASES]
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize('train', [True, False])
 def test_forward_is_bit_identical(case, dtype, train):
-    ref, ours = pair(case, dtype)
-    ref.train(train)
-    ours.train(train)
-    xs = case.inputs(dtype)
-    assert torch.equal(run(ref, xs), run(ours, clones(xs)))
+    check_forward_is_bit_identical(case, dtype, train)
 
 
 @pytest.mark.parametrize('case', CASES, ids=IDS)
