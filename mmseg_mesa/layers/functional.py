@@ -181,8 +181,10 @@ class _Capture(TorchFunctionMode):
         # A softmax's output is held in full by the softmax itself: packing it would save
         # nothing and add its error.
         pack = {role: t for role, t in (('a', a), ('b', b)) if not _softmax_output(t)}
+        if not pack:
+            return None
         site = self._site('matmul', {role: (_product_group_dim(t), 1) for role, t in pack.items()})
-        if site is None or not pack:
+        if site is None:
             return None
         quantizers = dict(zip(pack, site))
         return MesaEinsumFunction.apply(equation, a, b, quantizers.get('a'), quantizers.get('b'))
