@@ -1,4 +1,8 @@
-"""Install mmseg_mesa; build its optional CUDA extension ``mmseg_mesa._C`` when a toolkit is found.
+"""Install mmseg_mesa and build its optional extension ``mmseg_mesa._C``.
+
+The extension holds the quantizer's CPU kernels, built with the host compiler whenever torch is
+importable at build time, and its CUDA kernels, added when torch has CUDA support and a CUDA
+toolkit is found (one source of arithmetic for both: ``csrc/mesa_numerics.h``).
 
     pip install --no-build-isolation -e .      # development (what `make env` does, with --no-deps)
     pip install --no-build-isolation .         # a regular install; `pip wheel` works the same way
@@ -6,17 +10,19 @@
 The version and the supported Python / torch ranges come from ``mmseg_mesa/version.py`` (read, not
 imported: torch may be absent here). ``configs/`` ships inside the package as
 ``mmseg_mesa/.mim/configs`` (mmseg's layout for installed configs). Under pip's build isolation
-torch is not importable, so the package is built without the extension.
+torch is not importable, so the package is built without the extension. A failed compile
+installs the pure-Python package and records why (unless FORCE_CUDA=1).
 
 Environment:
     MMSEG_MESA_NO_EXT=1   install the pure-Python package only.
-    FORCE_CUDA=1          build the extension or fail (default: build only if a toolkit is found).
+    FORCE_CUDA=1          build the CUDA kernels or fail (default: only if a toolkit is found).
     CUDA_HOME             the toolkit to use (default: nvcc on PATH, then /usr/local/cuda*).
     TORCH_CUDA_ARCH_LIST  GPU architectures (default: the visible GPUs', else "9.0").
     MAX_JOBS              parallel compile jobs (torch's default: all cores).
 
-Whatever happens, ``mmseg_mesa/_build_info.py`` records it (torch version, archs, or why the
-extension was not built); ``python -m mmseg_mesa.info`` and the runtime dispatcher read it.
+Whatever happens, ``mmseg_mesa/_build_info.py`` records it (torch version, whether the CPU and
+the CUDA kernels were built, archs, or why not); ``python -m mmseg_mesa.info`` and the runtime
+dispatcher read it.
 """
 from __future__ import annotations
 
@@ -32,7 +38,12 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 BUILD_INFO = ROOT / 'mmseg_mesa' / '_build_info.py'
-SOURCES = ['csrc/mesa_ops.cpp', 'csrc/mesa_kernels.cu']
+CPU_SOURCES = ['csrc/mesa_ops.cpp', 'csrc/mesa_cpu.cpp']
+CUDA_SOURCES = ['csrc/mesa_kernels.cu']
+# No contraction into fused multiply-adds and no fast-math: the kernels must match the
+# pure-PyTorch reference bit for bit (csrc/mesa_numerics.h).
+CXX_FLAGS = ['-O3', '-std=c++20', '-ffp-contract=off', '-fno-fast-math']
+NVCC_FLAGS = ['-O3', '-std=c++20', '--prec-div=true', '--fmad=false', '--ftz=false']
 DEFAULT_ARCHS = '9.0'
 CONFIGS = ROOT / 'configs'
 MIM_CONFIGS = Path('mmseg_mesa') / '.mim' / 'configs'
@@ -72,6 +83,22 @@ class BuildPy(build_py):
             target = Path(self.build_lib) / MIM_CONFIGS / source.relative_to(CONFIGS)
             self.mkpath(str(target.parent))
             self.copy_file(str(source), str(target))
+
+
+def recorded_failure(build_info: str, error: BaseException) -> str:
+    """``build_info`` rewritten for a package installed without its extension after ``error``."""
+    fields = runpy_text(build_info)
+    fields.update(EXTENSION=False, CPU_KERNELS=False, CUDA_KERNELS=False,
+                  SKIP_REASON=f'not built: compiling it failed ({type(error).__name__}: '
+                              f'{str(error).strip().splitlines()[-1] if str(error) else ""}); '
+                              'see the install log')
+    return build_info_text(**fields)
+
+
+def runpy_text(text: str) -> dict:
+    namespace: dict = {}
+    exec(compile(text, '_build_info.py', 'exec'), namespace)  # noqa: S102 (our own file)
+    return {k: v for k, v in namespace.items() if k.isupper()}
 
 
 def is_toolkit(path: str | None) -> bool:
@@ -128,14 +155,42 @@ def skip_extension(reason: str, **info) -> tuple[dict, str]:
     """Install the pure-Python package, recording why (or fail if FORCE_CUDA=1)."""
     if os.environ.get('FORCE_CUDA', '0') == '1':
         raise RuntimeError(f'FORCE_CUDA=1 but the CUDA extension cannot be built ({reason})')
-    print(f'mmseg_mesa: CUDA extension {reason}', file=sys.stderr)
+    print(f'mmseg_mesa: extension {reason}', file=sys.stderr)
     return {}, build_info_text(**dict(info, SKIP_REASON=reason))
 
 
+def build_extension_class(base):
+    """``base`` (torch's BuildExtension) made optional: a failed compile leaves the package
+    pure Python, with the failure in ``_build_info.py``, unless FORCE_CUDA=1."""
+
+    class OptionalBuildExtension(base):
+        def run(self) -> None:
+            try:
+                super().run()
+            except Exception as error:  # compiler, ninja or linker failure
+                if os.environ.get('FORCE_CUDA', '0') == '1':
+                    raise
+                print(f'mmseg_mesa: building the extension failed ({error}); installing the '
+                      'pure-Python package', file=sys.stderr)
+                text = recorded_failure(BuildPy.build_info, error)
+                BuildPy.build_info = text
+                if self.inplace or getattr(self, 'editable_mode', False):
+                    write_if_changed(BUILD_INFO, text)
+                else:
+                    write_if_changed(Path(self.build_lib) / BUILD_INFO.relative_to(ROOT), text)
+
+    return OptionalBuildExtension
+
+
 def extension_setup() -> tuple[dict, str]:
-    """setup() arguments for the extension (or {}) and the ``_build_info.py`` that records it."""
+    """setup() arguments for the extension (or {}) and the ``_build_info.py`` that records it.
+
+    The CPU kernels are built whenever torch is importable; the CUDA kernels join them in one
+    CUDAExtension when torch has CUDA support and a toolkit is found.
+    """
     info = dict(TORCH_VERSION=None, TORCH_CUDA_VERSION=None, EXTENSION=False,
-                CUDA_ARCH_LIST=None, CUDA_HOME=None)
+                CPU_KERNELS=False, CUDA_KERNELS=False, CUDA_ARCH_LIST=None, CUDA_HOME=None,
+                CUDA_SKIP_REASON=None)
     if os.environ.get('MMSEG_MESA_NO_EXT', '0') == '1':
         return skip_extension('not built: MMSEG_MESA_NO_EXT=1 was set at install time', **info)
     try:
@@ -144,38 +199,46 @@ def extension_setup() -> tuple[dict, str]:
         return skip_extension('not built: torch was not importable at install time (install '
                               'with --no-build-isolation)', **info)
     info.update(TORCH_VERSION=torch.__version__, TORCH_CUDA_VERSION=torch.version.cuda)
+    cuda_home = find_cuda_home() if torch.version.cuda is not None else None
     if torch.version.cuda is None:
-        return skip_extension(f'not built: torch {torch.__version__} has no CUDA support',
-                              **info)
-    cuda_home = find_cuda_home()
-    if cuda_home is None:
-        return skip_extension('not built: no CUDA toolkit (nvcc) was found at install time; '
-                              'set CUDA_HOME and reinstall', **info)
+        cuda_reason = f'not built: torch {torch.__version__} has no CUDA support'
+    elif cuda_home is None:
+        cuda_reason = ('not built: no CUDA toolkit (nvcc) was found at install time; set '
+                       'CUDA_HOME and reinstall')
+    else:
+        cuda_reason = None
+    if cuda_reason is not None and os.environ.get('FORCE_CUDA', '0') == '1':
+        raise RuntimeError(f'FORCE_CUDA=1 but the CUDA kernels cannot be built ({cuda_reason})')
 
-    # torch.utils.cpp_extension reads these when it is imported.
-    os.environ['CUDA_HOME'] = cuda_home
-    archs = cuda_arch_list(torch)
-    os.environ['TORCH_CUDA_ARCH_LIST'] = archs
     # ninja (faster, parallel) is found on PATH; pip does not put the venv's bin there.
     os.environ['PATH'] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get('PATH', '')
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
-
-    torch_dir = Path(torch.__file__).resolve().parent
-    extension = CUDAExtension(
-        name='mmseg_mesa._C',
-        sources=SOURCES,
-        include_dirs=[str(ROOT / 'csrc')] + extra_cuda_includes(cuda_home, torch_dir),
-        extra_compile_args={
-            'cxx': ['-O3', '-std=c++20'],
-            # IEEE division and no multiply-add contraction: the kernels must match the
-            # pure-PyTorch reference bit for bit (see csrc/mesa_kernels.cu).
-            'nvcc': ['-O3', '-std=c++20', '--prec-div=true', '--fmad=false', '--ftz=false'],
-        },
-    )
-    return (dict(ext_modules=[extension],
-                 cmdclass={'build_ext': BuildExtension.with_options(use_ninja=True)}),
-            build_info_text(**dict(info, EXTENSION=True, CUDA_ARCH_LIST=archs,
-                                   CUDA_HOME=cuda_home, SKIP_REASON=None)))
+    include_dirs = [str(ROOT / 'csrc')]
+    if cuda_reason is None:
+        # torch.utils.cpp_extension reads these when it is imported.
+        os.environ['CUDA_HOME'] = cuda_home
+        archs = cuda_arch_list(torch)
+        os.environ['TORCH_CUDA_ARCH_LIST'] = archs
+        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+        torch_dir = Path(torch.__file__).resolve().parent
+        extension = CUDAExtension(
+            name='mmseg_mesa._C',
+            sources=CPU_SOURCES + CUDA_SOURCES,
+            include_dirs=include_dirs + extra_cuda_includes(cuda_home, torch_dir),
+            define_macros=[('MMSEG_MESA_WITH_CUDA', '1')],
+            extra_compile_args={'cxx': CXX_FLAGS, 'nvcc': NVCC_FLAGS},
+        )
+        info.update(CUDA_KERNELS=True, CUDA_ARCH_LIST=archs, CUDA_HOME=cuda_home)
+    else:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+        print(f'mmseg_mesa: CUDA kernels {cuda_reason}; building the CPU kernels only',
+              file=sys.stderr)
+        extension = CppExtension(name='mmseg_mesa._C', sources=CPU_SOURCES,
+                                 include_dirs=include_dirs,
+                                 extra_compile_args={'cxx': CXX_FLAGS})
+        info.update(CUDA_SKIP_REASON=cuda_reason)
+    build_ext = build_extension_class(BuildExtension.with_options(use_ninja=True))
+    return (dict(ext_modules=[extension], cmdclass={'build_ext': build_ext}),
+            build_info_text(**dict(info, EXTENSION=True, CPU_KERNELS=True, SKIP_REASON=None)))
 
 
 VERSION = version_fields()

@@ -1,8 +1,9 @@
-// Argument validation shared by every mmseg_mesa op, and the group layout the kernels index with.
-//
-// A tensor is seen as (outer, channels, inner) around `group_dim`; channel c belongs to group
-// c / group_size. Every check names the op and the argument, so a failure says what to fix.
+// Argument validation shared by every mmseg_mesa op (CPU and CUDA), and the group layout the
+// kernels index with (mesa_numerics.h). Every check names the op and the argument, so a failure
+// says what to fix.
 #pragma once
+
+#include "mesa_numerics.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -10,26 +11,21 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 namespace mmseg_mesa {
-
-struct GroupLayout {
-  int64_t numel;
-  int64_t inner;       // product of the sizes after group_dim
-  int64_t channels;    // size of group_dim
-  int64_t group_size;  // channels per group (the last group may be shorter)
-  int64_t groups;      // ceil(channels / group_size)
-  bool narrow;         // numel fits 32-bit index arithmetic
-};
 
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
 
-inline void check_cuda_contiguous(const char* op, const char* name, const at::Tensor& t) {
+// `device` is the kernels' device type: each op's CPU and CUDA implementations check their own.
+inline void check_contiguous(const char* op, const char* name, const at::Tensor& t,
+                             c10::DeviceType device) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device(),
-              " (use backend='torch' for CPU tensors)");
+  TORCH_CHECK(t.device().type() == device, op, ": ", name, " must be a ",
+              device == c10::DeviceType::CUDA ? "CUDA" : "CPU", " tensor, got one on ",
+              t.device());
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got sizes ", t.sizes(),
               " and strides ", t.strides(), "; call .contiguous() first");
 }
@@ -41,9 +37,9 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
 }
 
 // The activation (or its codes) and its grouping along group_dim (non-negative or negative).
-inline GroupLayout group_layout(const char* op, const at::Tensor& t, int64_t group_dim,
+inline GroupLayout group_layout(const char* op, at::IntArrayRef sizes, int64_t group_dim,
                                 int64_t group_size) {
-  const int64_t ndim = t.dim();
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
   TORCH_CHECK(ndim >= 1, op, ": expected a tensor with at least one dimension, got a scalar");
   TORCH_CHECK(group_dim >= -ndim && group_dim < ndim, op, ": group_dim=", group_dim,
               " is out of range for a ", ndim, "-d tensor");
@@ -52,13 +48,17 @@ inline GroupLayout group_layout(const char* op, const at::Tensor& t, int64_t gro
   }
   TORCH_CHECK(group_size >= 1, op, ": group_size must be >= 1, got ", group_size);
   GroupLayout layout{};
-  layout.numel = t.numel();
-  layout.channels = t.size(group_dim);
+  layout.numel = 1;
+  for (const int64_t size : sizes) {
+    TORCH_CHECK(size >= 0, op, ": negative size in shape ", sizes);
+    layout.numel *= size;
+  }
+  layout.channels = sizes[group_dim];
   TORCH_CHECK(layout.channels <= std::numeric_limits<int32_t>::max(), op, ": ",
               layout.channels, " channels along group_dim exceed the kernels' 32-bit range");
   layout.inner = 1;
   for (int64_t d = group_dim + 1; d < ndim; ++d) {
-    layout.inner *= t.size(d);
+    layout.inner *= sizes[d];
   }
   layout.groups = layout.channels == 0 ? 0 : (layout.channels - 1) / group_size + 1;
   // A group wider than the tensor is one group of all channels; clamping keeps the kernels'
@@ -72,7 +72,7 @@ inline GroupLayout group_layout(const char* op, const at::Tensor& t, int64_t gro
 inline void check_group_vector(const char* op, const char* name, const at::Tensor& v,
                                const at::Tensor& ref, const GroupLayout& layout,
                                at::ScalarType dtype) {
-  check_cuda_contiguous(op, name, v);
+  check_contiguous(op, name, v, ref.device().type());
   check_same_device(op, name, v, ref);
   TORCH_CHECK(v.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ",
               v.scalar_type());
@@ -81,10 +81,62 @@ inline void check_group_vector(const char* op, const char* name, const at::Tenso
               layout.group_size, ", got ", v.sizes());
 }
 
-inline void check_activation(const char* op, const at::Tensor& x) {
-  check_cuda_contiguous(op, "x", x);
+inline void check_activation(const char* op, const at::Tensor& x, c10::DeviceType device) {
+  check_contiguous(op, "x", x, device);
   TORCH_CHECK(is_supported_float(x.scalar_type()), op,
               ": x must be float32, float16, bfloat16 or float64, got ", x.scalar_type());
+}
+
+}  // namespace mmseg_mesa
+
+namespace mmseg_mesa {
+
+// Validates quantize's arguments and returns the layout of x. Codes of any width up to 8 bits
+// fit one per byte; packing needs a width that divides 8.
+inline GroupLayout check_quantize_args(const char* op, const at::Tensor& x,
+                                       const at::Tensor& lower, const at::Tensor& scale,
+                                       int64_t bits, int64_t group_dim, int64_t group_size,
+                                       bool pack, c10::DeviceType device) {
+  check_activation(op, x, device);
+  const GroupLayout layout = group_layout(op, x.sizes(), group_dim, group_size);
+  check_group_vector(op, "lower", lower, x, layout, at::kFloat);
+  check_group_vector(op, "scale", scale, x, layout, at::kFloat);
+  TORCH_CHECK(bits >= 1 && bits <= 8, op, ": bits must be in [1, 8], got ", bits);
+  TORCH_CHECK(!pack || bits == 1 || bits == 2 || bits == 4 || bits == 8, op,
+              ": only 1, 2, 4 or 8-bit codes can be packed, got bits=", bits);
+  return layout;
+}
+
+// Validates dequantize's arguments: `codes` holds one code per byte (bits == 8, any shape with
+// as many elements as `shape`) or the bit-packed codes of `shape` (bitpack.py's layout).
+inline GroupLayout check_dequantize_args(const char* op, const at::Tensor& codes,
+                                         const at::Tensor& lower, const at::Tensor& scale,
+                                         int64_t bits, at::IntArrayRef shape, int64_t group_dim,
+                                         int64_t group_size, at::ScalarType dtype,
+                                         c10::DeviceType device) {
+  check_contiguous(op, "codes", codes, device);
+  TORCH_CHECK(codes.scalar_type() == at::kByte, op, ": codes must be uint8, got ",
+              codes.scalar_type());
+  TORCH_CHECK(is_supported_float(dtype), op,
+              ": dtype must be float32, float16, bfloat16 or float64, got ", dtype);
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op,
+              ": bits must be in (1, 2, 4, 8), got ", bits);
+  const GroupLayout layout = group_layout(op, shape, group_dim, group_size);
+  const int64_t bytes = bits == 8 ? layout.numel : (layout.numel * bits + 7) / 8;
+  TORCH_CHECK(codes.numel() == bytes, op, ": codes hold ", codes.numel(), " bytes, but ",
+              layout.numel, " codes of ", bits, " bits take ", bytes);
+  check_group_vector(op, "lower", lower, codes, layout, at::kFloat);
+  check_group_vector(op, "scale", scale, codes, layout, at::kFloat);
+  return layout;
+}
+
+// What quantize returns: one code per element shaped like x, or the packed bytes (flat) when
+// `pack` and bits < 8.
+inline std::vector<int64_t> quantized_shape(const at::Tensor& x, int64_t bits, bool pack) {
+  if (!pack || bits == 8) {
+    return x.sizes().vec();
+  }
+  return {(x.numel() * bits + 7) / 8};
 }
 
 }  // namespace mmseg_mesa

@@ -1,68 +1,96 @@
-// Registers the torch ops torch.ops.mmseg_mesa.{observe, quantize, dequantize} and makes this
-// library importable as the Python module mmseg_mesa._C (no pybind11: the ops are reached through
-// the dispatcher, so the module only carries build facts for mmseg_mesa._backend to check).
+// Registers the torch ops torch.ops.mmseg_mesa.{observe, quantize, dequantize} with their CPU
+// kernels (mesa_cpu.cpp) and, in a CUDA build (MMSEG_MESA_WITH_CUDA), their CUDA kernels
+// (mesa_kernels.cu), and makes this library importable as the Python module mmseg_mesa._C (no
+// pybind11: the ops are reached through the dispatcher, so the module only carries build facts
+// for mmseg_mesa._backend to check).
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/headeronly/version.h>
 #include <torch/library.h>
 
-#include <optional>
-
 namespace mmseg_mesa {
 
+at::Tensor observe_cpu(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span,
+                       const at::Tensor& seen, int64_t group_dim, int64_t group_size,
+                       double decay);
+at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& scale,
+                        int64_t bits, int64_t group_dim, int64_t group_size, bool stochastic,
+                        int64_t seed, int64_t offset, bool pack);
+at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
+                          const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
+                          int64_t group_dim, int64_t group_size, at::ScalarType dtype);
+
+#ifdef MMSEG_MESA_WITH_CUDA
 at::Tensor observe_cuda(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span,
                         const at::Tensor& seen, int64_t group_dim, int64_t group_size,
                         double decay);
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& scale,
                          int64_t bits, int64_t group_dim, int64_t group_size, bool stochastic,
-                         std::optional<at::Generator> generator);
+                         int64_t seed, int64_t offset, bool pack);
 at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
-                           const at::Tensor& scale, int64_t group_dim, int64_t group_size,
-                           at::ScalarType dtype);
+                           const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
+                           int64_t group_dim, int64_t group_size, at::ScalarType dtype);
 const char* compiled_cuda_archs();
 int compiled_cuda_version();
+#endif
 
 }  // namespace mmseg_mesa
 
+// quantize: one code per element shaped like x, or with `pack` (and bits < 8) the flat bytes of
+// bitpack.py's layout. Stochastic rounding draws Philox4x32-10 keyed by `seed` at counters
+// `offset + i / 4` (mesa_numerics.h); the caller advances `offset` between calls.
+// dequantize: `codes` as quantize returned them for `shape` at `bits` per code.
 TORCH_LIBRARY(mmseg_mesa, m) {
   m.def(
       "observe(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, int group_dim, "
       "int group_size, float decay) -> Tensor");
   m.def(
       "quantize(Tensor x, Tensor lower, Tensor scale, int bits, int group_dim, int group_size, "
-      "bool stochastic, Generator? generator=None) -> Tensor");
+      "bool stochastic, int seed, int offset, bool pack) -> Tensor");
   m.def(
-      "dequantize(Tensor codes, Tensor lower, Tensor scale, int group_dim, int group_size, "
-      "ScalarType dtype) -> Tensor");
+      "dequantize(Tensor codes, Tensor lower, Tensor scale, int bits, int[] shape, "
+      "int group_dim, int group_size, ScalarType dtype) -> Tensor");
 }
 
+TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
+  m.impl("observe", &mmseg_mesa::observe_cpu);
+  m.impl("quantize", &mmseg_mesa::quantize_cpu);
+  m.impl("dequantize", &mmseg_mesa::dequantize_cpu);
+}
+
+#ifdef MMSEG_MESA_WITH_CUDA
 TORCH_LIBRARY_IMPL(mmseg_mesa, CUDA, m) {
   m.impl("observe", &mmseg_mesa::observe_cuda);
   m.impl("quantize", &mmseg_mesa::quantize_cuda);
   m.impl("dequantize", &mmseg_mesa::dequantize_cuda);
 }
-
-// CPU tensors reach the same entry points so that the device check explains the problem,
-// instead of the dispatcher's generic "could not run ... with arguments from the 'CPU' backend".
-TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
-  m.impl("observe", &mmseg_mesa::observe_cuda);
-  m.impl("quantize", &mmseg_mesa::quantize_cuda);
-  m.impl("dequantize", &mmseg_mesa::dequantize_cuda);
-}
+#endif
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module = {
       PyModuleDef_HEAD_INIT, "_C",
-      "Mesa's CUDA kernels, registered as torch.ops.mmseg_mesa.*; see mmseg_mesa.kernels.",
+      "Mesa's CPU (and CUDA) kernels, registered as torch.ops.mmseg_mesa.*; see "
+      "mmseg_mesa.kernels.",
       -1, nullptr};
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) {
     return nullptr;
   }
+#ifdef MMSEG_MESA_WITH_CUDA
+  const char* archs = mmseg_mesa::compiled_cuda_archs();
+  const int cuda_version = mmseg_mesa::compiled_cuda_version();
+  const int cuda_kernels = 1;
+#else
+  const char* archs = "";
+  const int cuda_version = 0;
+  const int cuda_kernels = 0;
+#endif
   if (PyModule_AddStringConstant(m, "TORCH_VERSION", TORCH_VERSION) < 0 ||
-      PyModule_AddStringConstant(m, "CUDA_ARCHS", mmseg_mesa::compiled_cuda_archs()) < 0 ||
-      PyModule_AddIntConstant(m, "CUDA_VERSION", mmseg_mesa::compiled_cuda_version()) < 0) {
+      PyModule_AddIntConstant(m, "CPU_KERNELS", 1) < 0 ||
+      PyModule_AddIntConstant(m, "CUDA_KERNELS", cuda_kernels) < 0 ||
+      PyModule_AddStringConstant(m, "CUDA_ARCHS", archs) < 0 ||
+      PyModule_AddIntConstant(m, "CUDA_VERSION", cuda_version) < 0) {
     Py_DECREF(m);
     return nullptr;
   }
