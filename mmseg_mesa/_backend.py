@@ -1,7 +1,10 @@
-"""Chooses between the compiled CUDA kernels and the pure-PyTorch reference.
+"""Chooses between the compiled kernels (CPU and CUDA) and the pure-PyTorch reference.
 
-The extension is optional: when it is missing or unusable, ``'auto'`` uses the torch path and one
-warning says why; ``'cuda'`` then raises, because the user asked for the kernels explicitly.
+``'auto'`` runs the compiled kernels of the tensor's device (the CPU kernels for CPU tensors,
+the CUDA kernels for CUDA tensors), ``'cuda'`` requires CUDA tensors and the CUDA kernels,
+``'torch'`` always runs the reference; all three give the same codes. The extension is
+optional: when it is missing or unusable, ``'auto'`` uses the torch path and one warning says
+why; ``'cuda'`` then raises, because the user asked for the kernels explicitly.
 Before loading ``mmseg_mesa._C`` we compare what ``setup.py`` recorded in ``_build_info.py`` with
 the running torch: an extension built for another torch may fail to import or, worse, crash.
 """
@@ -52,7 +55,7 @@ def load_extension() -> tuple[ModuleType | None, str | None]:
         if _EXT_ERROR is None:
             try:
                 from . import kernels
-            except (ImportError, OSError) as err:  # missing .so, undefined symbols, ...
+            except (ImportError, OSError, AttributeError) as err:  # missing .so, symbols, ...
                 _EXT_ERROR = f'mmseg_mesa._C failed to load ({type(err).__name__}: {err})'
             else:
                 if kernels.TORCH_VERSION != torch.__version__.split('+')[0]:
@@ -103,24 +106,37 @@ def device_error(device: torch.device) -> str | None:
     return _DEVICE_ERRORS[index]
 
 
+def cuda_kernels_error(ext: ModuleType, device: torch.device) -> str | None:
+    """Why the loaded extension cannot run CUDA tensors on ``device``, or None."""
+    if not ext.CUDA_KERNELS:
+        info = build_info()
+        reason = getattr(info, 'CUDA_SKIP_REASON', None) or 'not built'
+        return f'mmseg_mesa._C has no CUDA kernels ({reason})'
+    return device_error(device)
+
+
 def kernels_for(x: torch.Tensor, backend: str) -> ModuleType | None:
     """The kernel module to use for ``x`` under ``backend``, or None for the torch reference."""
     global _WARNED
-    if backend == 'torch' or not x.is_cuda:
-        if backend == 'cuda' and not x.is_cuda:
+    if backend == 'torch':
+        return None
+    if not x.is_cuda:
+        if backend == 'cuda':
             raise RuntimeError("mesa backend='cuda' needs CUDA tensors; got a tensor on "
                                f'{x.device}')
-        return None
+        if x.device.type != 'cpu':  # meta, mps, ...: no kernels, the reference runs
+            return None
     ext, error = load_extension()
     if ext is not None:
-        error = device_error(x.device)
+        error = cuda_kernels_error(ext, x.device) if x.is_cuda else None
     if error is None:
         return ext
     if backend == 'cuda':
         raise RuntimeError(f"mesa backend='cuda' but the CUDA extension is unavailable ({error})")
     if not _WARNED:
         _WARNED = True
-        warnings.warn(f'mmseg_mesa: CUDA extension unavailable ({error}); using the slower '
+        kind = 'CUDA kernels' if x.is_cuda else 'compiled extension'
+        warnings.warn(f'mmseg_mesa: {kind} unavailable ({error}); using the slower '
                       'pure-PyTorch quantizer. Run `python -m mmseg_mesa.info` for details.',
                       stacklevel=3)
     return None

@@ -1,9 +1,16 @@
-"""``python -m mmseg_mesa.info``: which Mesa backend runs here, and why."""
+"""``python -m mmseg_mesa.info``: which Mesa backend runs here, for CPU and for CUDA tensors, and
+why."""
 from __future__ import annotations
 
 import torch
 
 from . import __version__, _backend
+
+
+def _built_kernels(info) -> str:
+    kinds = [name for name, built in (('CPU', getattr(info, 'CPU_KERNELS', False)),
+                                      ('CUDA', getattr(info, 'CUDA_KERNELS', False))) if built]
+    return ' + '.join(kinds) if kinds else 'none'
 
 
 def collect() -> dict[str, str]:
@@ -23,18 +30,28 @@ def collect() -> dict[str, str]:
     if kernels is not None:
         report['extension _C'] = 'built and loadable'
         report['built for torch'] = info.TORCH_VERSION
-        report['built for archs'] = (f'TORCH_CUDA_ARCH_LIST={info.CUDA_ARCH_LIST} '
-                                     f'(nvcc: {kernels.CUDA_ARCHS}), CUDA '
-                                     f'{kernels.CUDA_VERSION // 1000}.'
-                                     f'{kernels.CUDA_VERSION % 1000 // 10}')
+        report['compiled kernels'] = _built_kernels(kernels)
+        if kernels.CUDA_KERNELS:
+            report['built for archs'] = (f'TORCH_CUDA_ARCH_LIST={info.CUDA_ARCH_LIST} '
+                                         f'(nvcc: {kernels.CUDA_ARCHS}), CUDA '
+                                         f'{kernels.CUDA_VERSION // 1000}.'
+                                         f'{kernels.CUDA_VERSION % 1000 // 10}')
+        else:
+            report['CUDA kernels'] = getattr(info, 'CUDA_SKIP_REASON', None) or 'not built'
     else:
         report['extension _C'] = f'unavailable: {error}'
         if info is not None and info.EXTENSION:
             report['built for torch'] = info.TORCH_VERSION
-            report['built for archs'] = f'TORCH_CUDA_ARCH_LIST={info.CUDA_ARCH_LIST}'
+            report['compiled kernels'] = _built_kernels(info)
+            if getattr(info, 'CUDA_KERNELS', False):
+                report['built for archs'] = f'TORCH_CUDA_ARCH_LIST={info.CUDA_ARCH_LIST}'
 
+    report["backend='auto' for CPU tensors"] = (
+        'cpu kernels' if kernels is not None else f'torch (pure-PyTorch reference; {error})')
     if kernels is None:
         auto = f'torch (pure-PyTorch reference; {error})'
+    elif not kernels.CUDA_KERNELS:
+        auto = f'torch ({_backend.cuda_kernels_error(kernels, torch.device("cuda", 0))})'
     elif not gpu:
         auto = 'cuda kernels (once a GPU is visible)'
     else:

@@ -1,26 +1,41 @@
-"""The compiled CUDA kernels, as the functions ``quantizer.py`` calls through ``_backend``.
+"""The compiled kernels, as the functions ``quantizer.py`` calls through ``_backend``.
 
-Importing this module loads ``mmseg_mesa._C``, which registers ``torch.ops.mmseg_mesa.*``
-(sources in ``csrc/``). Each function mirrors a step of the pure-PyTorch reference
+Importing this module loads ``mmseg_mesa._C``, which registers ``torch.ops.mmseg_mesa.*`` with
+CPU kernels and, in a CUDA build, CUDA kernels (sources in ``csrc/``; their arithmetic is one
+header, ``csrc/mesa_numerics.h``). Each function mirrors a step of the pure-PyTorch reference
 (``reference.py`` for quantize / dequantize, ``quantizer.py`` for the running estimates) and
-gives bit-identical results under deterministic rounding.
+gives bit-identical results under both roundings.
 
-Supported: contiguous CUDA tensors of float32, float16, bfloat16 or float64; fp32 per-group
-``lower``/``scale``/``span`` and bool ``seen`` of shape ``(ceil(channels / group_size),)``.
+Supported: contiguous CPU or CUDA tensors of float32, float16, bfloat16 or float64; fp32
+per-group ``lower``/``scale``/``span`` and bool ``seen`` of shape ``(ceil(channels /
+group_size),)`` on the same device.
 """
 from __future__ import annotations
 
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.mmseg_mesa)
-from .rounding import rounding_generator
+from .rounding import rounding_counter
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TORCH_VERSION: str = _C.TORCH_VERSION
+CPU_KERNELS: bool = bool(_C.CPU_KERNELS)
+CUDA_KERNELS: bool = bool(_C.CUDA_KERNELS)
 CUDA_VERSION: int = _C.CUDA_VERSION
 CUDA_ARCHS: str = _C.CUDA_ARCHS
 
 _ops = torch.ops.mmseg_mesa
+
+
+def _int64(value: int) -> int:
+    """A 64-bit unsigned value as the int64 with the same bits (the ops take int64)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def supports(device: torch.device) -> bool:
+    """Whether this build has kernels for ``device``'s type."""
+    return CPU_KERNELS if device.type == 'cpu' else device.type == 'cuda' and CUDA_KERNELS
 
 
 def observe(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor, seen: torch.Tensor,
@@ -32,19 +47,31 @@ def observe(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor, seen: torc
 
 def quantize(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: int,
              group_dim: int, group_size: int, stochastic: bool,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """uint8 codes shaped like ``x``, one per element (``quantize_reference``).
+             counter: tuple[int, int] | None = None, pack: bool = False) -> torch.Tensor:
+    """uint8 codes shaped like ``x``, one per element (``quantize_reference``); with ``pack``
+    and ``bits < 8``, the flat bit-packed bytes instead (``quantize_packed_reference``).
 
-    Stochastic rounding draws from ``generator``, by default the same dedicated stream the
-    reference uses (``rounding.rounding_generator``), so the model's own random stream is
-    untouched either way.
+    Stochastic rounding draws at ``counter`` (``(seed, offset)``), by default the next position
+    of the device's stream, which the reference uses too (``rounding.rounding_counter``), so the
+    model's own random stream is untouched either way.
     """
-    if stochastic and generator is None:
-        generator = rounding_generator(x.device)
-    return _ops.quantize(x, lower, scale, bits, group_dim, group_size, stochastic, generator)
+    seed = offset = 0
+    if stochastic:
+        seed, offset = counter if counter is not None else rounding_counter(x.device, x.numel())
+    return _ops.quantize(x, lower, scale, bits, group_dim, group_size, stochastic, _int64(seed),
+                         _int64(offset), pack)
 
 
 def dequantize(codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, group_dim: int,
-               group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``codes * scale + lower`` (two roundings) cast to ``dtype`` (``dequantize_reference``)."""
-    return _ops.dequantize(codes, lower, scale, group_dim, group_size, dtype)
+               group_size: int, dtype: torch.dtype, bits: int = 8,
+               shape: torch.Size | None = None) -> torch.Tensor:
+    """``codes * scale + lower`` (two roundings) cast to ``dtype`` (``dequantize_reference``).
+
+    ``codes`` holds one code per element (``bits=8``; the result takes ``shape``, by default
+    ``codes.shape``) or, with ``bits < 8``, the bit-packed codes of ``shape``.
+    """
+    if shape is None:
+        if bits != 8:
+            raise ValueError('dequantize: bit-packed codes need the shape they were packed from')
+        shape = codes.shape
+    return _ops.dequantize(codes, lower, scale, bits, list(shape), group_dim, group_size, dtype)

@@ -7,7 +7,8 @@ shorter); each group gets an offset (``lower``) and a ``scale = span / (2**bits 
 batch is taken as it is, later batches are blended in with an EMA, as in Mesa. Unlike Mesa, a
 batch whose values fall outside the running range is quantized over the running range widened
 to cover it, instead of being clipped (see ``ema_update``). The codes' numerics are those of
-``reference``; ``pack`` and ``unpack`` run the CUDA kernels instead where the backend says so.
+``reference``; ``pack`` and ``unpack`` run the compiled kernels (CPU or CUDA, one call each,
+bit packing included) instead where the backend says so, with bit-identical results.
 """
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ import torch
 from torch import nn
 
 from . import _backend
-from .bitpack import pack_bits, unpack_bits
 from .codes import Codes, Mapped, Packed, QuantSpec, sample_range
 from .reference import dequantize_packed_reference, quantize_packed_reference
-from .rounding import reset_rounding_generators, rounding_generator
+from .rounding import reset_rounding_generators, rounding_counter
 
 __all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'pack',
-           'packed_reusing', 'reset_rounding_generators', 'rounding_generator', 'sample_range',
+           'packed_reusing', 'reset_rounding_generators', 'rounding_counter', 'sample_range',
            'unpack']
 
 
@@ -82,9 +82,8 @@ def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tens
     x = x.contiguous()
     kernel = _backend.kernels_for(x, spec.backend)
     if kernel is not None:
-        codes = kernel.quantize(x, lower, scale, spec.bits, group_dim, spec.group_size,
-                                spec.stochastic)
-        data = codes if spec.bits == 8 else pack_bits(codes, spec.bits)
+        data = kernel.quantize(x, lower, scale, spec.bits, group_dim, spec.group_size,
+                               spec.stochastic, pack=True)
     else:
         data = quantize_packed_reference(x, lower, scale, spec, group_dim)
     return Packed(data, lower, scale, x.shape, x.dtype, spec.bits, group_dim,
@@ -106,10 +105,9 @@ def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
     kernel = _backend.kernels_for(packed.data, packed.backend)
     if kernel is None:
         return dequantize_packed_reference(packed, dtype)
-    numel = packed.shape.numel()
-    codes = packed.data if packed.bits == 8 else unpack_bits(packed.data, packed.bits, numel)
-    return kernel.dequantize(codes.view(packed.shape), packed.lower, packed.scale,
-                             packed.group_dim, packed.group_size, dtype or packed.dtype)
+    return kernel.dequantize(packed.data.contiguous(), packed.lower, packed.scale,
+                             packed.group_dim, packed.group_size, dtype or packed.dtype,
+                             bits=packed.bits, shape=packed.shape)
 
 
 def attach_codes(x: torch.Tensor, packed: Codes) -> None:

@@ -2,9 +2,18 @@
 
 ``levels = 2**bits - 1``; ``code = clamp(round_half_even((x - lower) / scale), 0, levels)`` in
 fp32, or ``floor((x - lower) / scale + u)``, ``u ~ U[0, 1)`` for stochastic rounding (unbiased
-inside the range); ``x_hat = code * scale + lower`` (a multiply, then an add: no fused
-multiply-add). The CUDA kernels reproduce these numerics exactly under deterministic rounding,
-and the tests hold them against this module.
+inside the range); NaN gives code 0; ``x_hat = code * scale + lower`` (a multiply, then an add:
+no fused multiply-add). The compiled CPU and CUDA kernels (``csrc/mesa_numerics.h``) reproduce
+these numerics bit for bit under both roundings, and the tests hold them against this module.
+
+The uniforms ``u`` come from Philox4x32-10 (Salmon et al., SC11; Random123's constants and
+round function), a counter-based generator. A call is keyed by a 64-bit ``seed`` and starts at a
+64-bit counter ``offset`` (``rounding.rounding_counter`` hands both out and advances the offset
+by the call's ``ceil(numel / 4)`` blocks). Element ``i`` (its flat, row-major index) takes word
+``i & 3`` of the block whose 128-bit counter is ``(lo32(c), hi32(c), 0, 0)`` with
+``c = (offset + (i >> 2)) mod 2**64``, under the key ``(lo32(seed), hi32(seed))``; then
+``u = (word >> 8) * 2**-24`` in fp32 (24 random bits, exact). Being a function of the index, the
+draws do not depend on how a tensor is split into pieces here or into threads in a kernel.
 """
 from __future__ import annotations
 
@@ -14,7 +23,63 @@ import torch
 
 from .bitpack import pack_bits, unpack_bits
 from .codes import Packed, QuantSpec
-from .rounding import rounding_generator
+from .rounding import rounding_counter
+
+# Philox4x32-10's multipliers and Weyl key increments.
+PHILOX_M0, PHILOX_M1 = 0xD251_1F53, 0xCD9E_8D57
+PHILOX_W0, PHILOX_W1 = 0x9E37_79B9, 0xBB67_AE85
+_LOW32 = 0xFFFF_FFFF
+
+
+def _mul_hi_lo(multiplier: int, word: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of ``multiplier * word`` for int64 tensors holding uint32 values.
+
+    The full product can reach 2**64 and overflow int64, so ``word`` is split into 16-bit limbs:
+    each partial product stays below 2**48.
+    """
+    low = (word & 0xFFFF) * multiplier
+    high = (word >> 16) * multiplier
+    partial = low + ((high & 0xFFFF) << 16)
+    return (high >> 16) + (partial >> 32), partial & _LOW32
+
+
+def philox4x32_10(counter: tuple[torch.Tensor, ...], key: tuple[int, int]
+                  ) -> tuple[torch.Tensor, ...]:
+    """Philox4x32-10 of the four counter words (int64 tensors of uint32 values, broadcastable)
+    under the two key words; returns the four output words the same way."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for step in range(10):
+        if step:
+            k0, k1 = (k0 + PHILOX_W0) & _LOW32, (k1 + PHILOX_W1) & _LOW32
+        hi0, lo0 = _mul_hi_lo(PHILOX_M0, c0)
+        hi1, lo1 = _mul_hi_lo(PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+# Blocks computed at once: the int64 temporaries of the ten rounds stay under a megabyte.
+PHILOX_BLOCKS_AT_ONCE = 1 << 12
+
+
+def rounding_uniforms(seed: int, offset: int, start: int, count: int,
+                      device: torch.device | str) -> torch.Tensor:
+    """The fp32 uniforms of elements ``start .. start + count - 1`` of a call keyed by ``seed``
+    at counter ``offset`` (see the module docstring)."""
+    first, last = start >> 2, (start + count + 3) >> 2
+    base = offset & ((1 << 64) - 1)
+    base = base - (1 << 64) if base >= 1 << 63 else base  # the same 64 bits as an int64
+    key = (seed & _LOW32, (seed >> 32) & _LOW32)
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    uniforms = torch.empty(last - first, 4, dtype=torch.float32, device=device)
+    for at in range(first, last, PHILOX_BLOCKS_AT_ONCE):
+        stop = min(at + PHILOX_BLOCKS_AT_ONCE, last)
+        counters = torch.arange(at, stop, dtype=torch.int64, device=device)
+        counters += base  # wraps modulo 2**64, as the kernels' uint64 does
+        words = philox4x32_10((counters & _LOW32, (counters >> 32) & _LOW32, zero, zero), key)
+        for k, word in enumerate(words):
+            uniforms[at - first:stop - first, k] = (word >> 8).to(torch.float32)
+    return uniforms.view(-1)[start - 4 * first:start - 4 * first + count].mul_(2.0 ** -24)
 
 
 def channel_view(per_group: torch.Tensor, channels: int, group_size: int, group_dim: int,
@@ -72,38 +137,60 @@ def _channel_vectors(lower: torch.Tensor, scale: torch.Tensor, channels: int,
 
 
 def _piece_codes(piece: torch.Tensor, lower_c: torch.Tensor, scale_c: torch.Tensor,
-                 spec: QuantSpec) -> torch.Tensor:
-    """The documented numerics on one piece, in place on one fp32 temporary."""
+                 spec: QuantSpec, counter: tuple[int, int] | None, start: int) -> torch.Tensor:
+    """The documented numerics on one piece (flat elements from ``start``), in place on one
+    fp32 temporary."""
     v = piece.float() - lower_c
     v.div_(scale_c)
     if spec.stochastic:
-        v.add_(torch.rand(v.shape, generator=rounding_generator(v.device), device=v.device))
+        seed, offset = counter
+        v.add_(rounding_uniforms(seed, offset, start, v.numel(), v.device).view(v.shape))
         v.floor_()
     else:
         v.round_()
     return v.nan_to_num_(nan=0.0).clamp_(0, (1 << spec.bits) - 1)
 
 
+def _call_counter(x: torch.Tensor, spec: QuantSpec, counter: tuple[int, int] | None
+                  ) -> tuple[int, int] | None:
+    """The stream position of one quantize call: ``counter`` if given, else the next one of
+    ``x``'s device (stochastic rounding only)."""
+    if not spec.stochastic or counter is not None:
+        return counter
+    return rounding_counter(x.device, x.numel())
+
+
 def quantize_reference(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor,
-                       spec: QuantSpec, group_dim: int) -> torch.Tensor:
-    """Codes (uint8, shaped like x, one per element) with the documented numerics."""
+                       spec: QuantSpec, group_dim: int,
+                       counter: tuple[int, int] | None = None) -> torch.Tensor:
+    """Codes (uint8, shaped like x, one per element) with the documented numerics.
+
+    Stochastic rounding draws at ``counter`` (``(seed, offset)``), by default the next position
+    of the device's stream (``rounding.rounding_counter``).
+    """
     x = x.contiguous()
+    counter = _call_counter(x, spec, counter)
     dims, pieces = _pieces(x.shape, group_dim)
     lower_c, scale_c = _channel_vectors(lower, scale, dims[1], spec.group_size)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     x3, codes3 = x.view(dims), codes.view(dims)
+    start = 0
     for outer, chans in pieces:
-        codes3[outer, chans].copy_(
-            _piece_codes(x3[outer, chans], lower_c[:, chans], scale_c[:, chans], spec))
+        target = codes3[outer, chans]
+        target.copy_(_piece_codes(x3[outer, chans], lower_c[:, chans], scale_c[:, chans], spec,
+                                  counter, start))
+        start += target.numel()
     return codes
 
 
 def quantize_packed_reference(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor,
-                              spec: QuantSpec, group_dim: int) -> torch.Tensor:
+                              spec: QuantSpec, group_dim: int,
+                              counter: tuple[int, int] | None = None) -> torch.Tensor:
     """``pack_bits(quantize_reference(...), bits)`` without the full-size uint8 codes."""
     if spec.bits == 8:
-        return quantize_reference(x, lower, scale, spec, group_dim)
+        return quantize_reference(x, lower, scale, spec, group_dim, counter)
     x = x.contiguous()
+    counter = _call_counter(x, spec, counter)
     dims, pieces = _pieces(x.shape, group_dim)
     lower_c, scale_c = _channel_vectors(lower, scale, dims[1], spec.group_size)
     per_byte = 8 // spec.bits
@@ -111,8 +198,11 @@ def quantize_packed_reference(x: torch.Tensor, lower: torch.Tensor, scale: torch
     x3 = x.view(dims)
     written = 0
     carry = torch.empty(0, dtype=torch.uint8, device=x.device)  # codes short of a whole byte
+    start = 0
     for outer, chans in pieces:
-        codes = _piece_codes(x3[outer, chans], lower_c[:, chans], scale_c[:, chans], spec)
+        codes = _piece_codes(x3[outer, chans], lower_c[:, chans], scale_c[:, chans], spec,
+                             counter, start)
+        start += codes.numel()
         codes = torch.cat([carry, codes.to(torch.uint8).reshape(-1)])
         whole = codes.numel() - codes.numel() % per_byte
         packed = pack_bits(codes[:whole], spec.bits)
