@@ -1,7 +1,10 @@
-"""The optional CUDA extension ``mmseg_mesa._C``: build state, dispatch, and kernel == reference.
+"""The optional extension ``mmseg_mesa._C``: build state, dispatch, and kernel == reference.
 
-The first tests run everywhere (they need no GPU); the kernel tests need CUDA and compare every
-kernel bit for bit with the pure-PyTorch reference in ``reference.py``.
+The compiled CPU kernels are held to the pure-PyTorch reference in ``reference.py`` bit for bit
+on every machine with a build; the same tests run on the CUDA kernels where a GPU is visible,
+and the two kernels' codes are compared with each other there. Philox4x32-10, which both
+kernels and the reference draw stochastic rounding from, is checked against Random123's
+published known-answer vectors.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 from mmseg_mesa import _backend
+from mmseg_mesa.bitpack import pack_bits
 from mmseg_mesa.quantizer import (
     ActivationQuantizer,
     Packed,
@@ -24,12 +28,22 @@ from mmseg_mesa.quantizer import (
     scale_from_span,
     unpack,
 )
-from mmseg_mesa.reference import dequantize_reference, quantize_reference
+from mmseg_mesa.reference import (
+    dequantize_packed_reference,
+    dequantize_reference,
+    philox4x32_10,
+    quantize_packed_reference,
+    quantize_reference,
+    rounding_uniforms,
+)
+from mmseg_mesa.rounding import rounding_counter
 
 BUILD = _backend.build_info()
 BUILT = BUILD is not None and BUILD.EXTENSION
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 requires_build = pytest.mark.skipif(not BUILT, reason='package installed without the extension')
+DEVICES = [pytest.param('cpu', marks=requires_build),
+           pytest.param('cuda', marks=[requires_build, requires_cuda])]
 
 
 def run_info() -> str:
@@ -46,7 +60,10 @@ def test_info_command_reports_extension_state():
     assert torch.__version__ in out
     assert 'extension _C' in out
     assert ('built and loadable' in out) or ('unavailable:' in out)
+    assert "backend='auto' for CPU tensors" in out
     assert "backend='auto' for CUDA tensors" in out
+    if BUILT:
+        assert "backend='auto' for CPU tensors  : cpu kernels" in out
 
 
 def test_extension_is_importable_when_built():
@@ -61,15 +78,36 @@ def test_extension_is_importable_when_built():
     kernels, error = _backend.load_extension()
     assert kernels is not None, error
     assert BUILD.TORCH_VERSION == torch.__version__
-    assert BUILD.CUDA_ARCH_LIST
+    assert BUILD.CPU_KERNELS and kernels.CPU_KERNELS  # every build has the CPU kernels
+    assert kernels.CUDA_KERNELS == BUILD.CUDA_KERNELS
+    if BUILD.CUDA_KERNELS:
+        assert BUILD.CUDA_ARCH_LIST and kernels.CUDA_ARCHS
+    else:
+        assert BUILD.CUDA_SKIP_REASON.startswith('not built')
 
 
 @requires_build
-def test_ops_reject_cpu_tensors_with_a_clear_error():
+def test_auto_runs_the_cpu_kernels_for_cpu_tensors():
     kernels, _ = _backend.load_extension()
-    x = torch.randn(3, 8)
-    with pytest.raises(RuntimeError, match='x must be a CUDA tensor'):
-        kernels.quantize(x, torch.zeros(1), torch.ones(1), 8, 1, 8, False)
+    assert _backend.kernels_for(torch.zeros(1), 'auto') is kernels
+    assert _backend.kernels_for(torch.zeros(1), 'torch') is None
+    assert _backend.kernels_for(torch.zeros(1, device='meta'), 'auto') is None
+    with pytest.raises(RuntimeError, match='needs CUDA tensors'):
+        _backend.kernels_for(torch.zeros(1), 'cuda')
+
+
+def test_build_without_cuda_kernels_falls_back_for_cuda_tensors(monkeypatch):
+    cpu_only = SimpleNamespace(CUDA_KERNELS=False)
+    monkeypatch.setattr(_backend, 'load_extension', lambda: (cpu_only, None))
+    monkeypatch.setattr(_backend, 'build_info', lambda: SimpleNamespace(
+        CUDA_SKIP_REASON='not built: torch 2.13.0+cpu has no CUDA support'))
+    monkeypatch.setattr(_backend, '_WARNED', False)
+    fake_cuda = SimpleNamespace(is_cuda=True, device=torch.device('cuda', 0))
+    with pytest.warns(UserWarning, match='has no CUDA kernels .not built: torch 2.13.0'):
+        assert _backend.kernels_for(fake_cuda, 'auto') is None
+    with pytest.raises(RuntimeError, match='has no CUDA kernels'):
+        _backend.kernels_for(fake_cuda, 'cuda')
+    assert _backend.kernels_for(torch.zeros(1), 'auto') is cpu_only
 
 
 def test_extension_built_for_another_torch_is_refused(monkeypatch):
@@ -104,12 +142,71 @@ def test_auto_falls_back_with_one_warning_and_cuda_raises(monkeypatch):
         assert _backend.kernels_for(fake_cuda, 'auto') is None  # warned once only
     with pytest.raises(RuntimeError, match='not built: test'):
         _backend.kernels_for(fake_cuda, 'cuda')
-    assert _backend.kernels_for(torch.zeros(1), 'auto') is None
+    assert _backend.kernels_for(torch.zeros(1), 'auto') is None  # warned once already
     with pytest.raises(RuntimeError, match='needs CUDA tensors'):
         _backend.kernels_for(torch.zeros(1), 'cuda')
 
 
-# ---------------------------------------------------------------- CUDA: kernel == reference
+def test_auto_warns_once_for_cpu_tensors_without_the_extension(monkeypatch):
+    monkeypatch.setattr(_backend, 'load_extension', lambda: (None, 'not built: test'))
+    monkeypatch.setattr(_backend, '_WARNED', False)
+    with pytest.warns(UserWarning, match='compiled extension unavailable .not built: test'):
+        assert _backend.kernels_for(torch.zeros(1), 'auto') is None
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert _backend.kernels_for(torch.zeros(1), 'auto') is None
+
+
+# ---------------------------------------------------------------- Philox4x32-10
+
+# Random123's tests/kat_vectors, the "philox4x32 10" lines: counter words, key words, output.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8)),
+    ((0xffffffff,) * 4, (0xffffffff,) * 2, (0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd)),
+    ((0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344), (0xa4093822, 0x299f31d0),
+     (0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1)),
+]
+
+
+@pytest.mark.parametrize('counter, key, want', PHILOX_KAT)
+def test_reference_philox_matches_the_published_known_answers(counter, key, want):
+    words = philox4x32_10(tuple(torch.tensor([c]) for c in counter), key)
+    assert tuple(int(w) for w in words) == want
+
+
+def test_rounding_uniforms_are_uniform_and_split_consistently():
+    u = rounding_uniforms(0x1234_5678_9ABC_DEF0, 7, 0, 1 << 20, 'cpu')
+    assert u.dtype == torch.float32 and u.min() >= 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 2e-3
+    assert abs(u.var().item() - 1 / 12) < 2e-3
+    counts = torch.histc(u, bins=16, min=0, max=1)
+    assert (counts - u.numel() / 16).abs().max() < 5 * (u.numel() / 16) ** 0.5
+    assert (u * 2 ** 24 == (u * 2 ** 24).floor()).all()  # 24 random bits
+    # any element's draw depends on its index only: pieces that straddle blocks agree
+    assert torch.equal(torch.cat([rounding_uniforms(3, 9, a, b - a, 'cpu')
+                                  for a, b in ((0, 5), (5, 6), (6, 17), (17, 40))]),
+                       rounding_uniforms(3, 9, 0, 40, 'cpu'))
+    # the offset moves the stream by whole blocks
+    assert torch.equal(rounding_uniforms(3, 10, 0, 8, 'cpu'), rounding_uniforms(3, 9, 4, 8, 'cpu'))
+    # offsets near 2**64 wrap as the kernels' uint64 does
+    assert torch.equal(rounding_uniforms(3, 2 ** 64 - 1, 4, 4, 'cpu'),
+                       rounding_uniforms(3, 0, 0, 4, 'cpu'))
+
+
+def test_rounding_counter_advances_by_blocks_and_leaves_the_default_rng_alone():
+    torch.manual_seed(5)
+    reset_rounding_generators()
+    state = torch.get_rng_state()
+    seed, first = rounding_counter('cpu', 10)
+    assert seed == 5 ^ 0x5EED_3E5A and first == 0
+    assert rounding_counter('cpu', 1) == (seed, 3)  # ceil(10 / 4) blocks
+    assert rounding_counter('cpu', 0) == (seed, 4)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(6)  # a new seed restarts the stream
+    assert rounding_counter('cpu', 4) == (6 ^ 0x5EED_3E5A, 0)
+
+
+# ---------------------------------------------------------------- kernel == reference
 
 def kernels():
     module, error = _backend.load_extension()
@@ -127,16 +224,18 @@ LAYOUTS = [  # shape, group_dim, group_size
     ((8, 3, 49, 49), 1, 1),       # attention map, one group per head
     ((16, 49, 96), -1, 32),       # Swin hidden features
     ((5, 7), 0, 100),             # one group larger than the channel count
+    ((3, 1, 7), 1, 1),            # a single channel
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+BITS = (1, 2, 4, 8)
 
 
-def sample(shape, dtype, offset=0.0, nonfinite=False):
-    x = torch.randn(shape, device='cuda') * 3 + offset
-    x = x * torch.rand(shape, device='cuda').pow(4) * 10  # uneven ranges, some outliers
+def sample(shape, dtype, device, offset=0.0, nonfinite=False):
+    x = torch.randn(shape, device=device) * 3 + offset
+    x = x * torch.rand(shape, device=device).pow(4) * 10  # uneven ranges, some outliers
     if nonfinite:
         flat = x.view(-1)
-        index = torch.randperm(flat.numel(), device='cuda')[:max(3, flat.numel() // 50)]
+        index = torch.randperm(flat.numel(), device=device)[:max(3, flat.numel() // 50)]
         flat[index[0::3]] = float('nan')
         flat[index[1::3]] = float('inf')
         flat[index[2::3]] = float('-inf')
@@ -148,18 +247,38 @@ def reference_observe(x, lower, span, seen, group_dim, group_size, decay):
     return ema_update(lower, span, seen, lo, hi, decay)
 
 
-@requires_cuda
+def check_codes(k, x, lower, scale, bits, dim, group_size, stochastic, counter):
+    """The kernel's codes (one per byte and packed) and decoded values == the reference's."""
+    spec = QuantSpec(bits=bits, group_dim=dim, group_size=group_size, stochastic=stochastic)
+    codes = k.quantize(x, lower, scale, bits, dim, group_size, stochastic, counter)
+    want = quantize_reference(x, lower, scale, spec, dim, counter)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert torch.equal(codes, want), (bits, stochastic, (codes != want).sum())
+    packed = k.quantize(x, lower, scale, bits, dim, group_size, stochastic, counter, pack=True)
+    assert torch.equal(packed.view(-1), pack_bits(want, bits))
+    assert torch.equal(packed, quantize_packed_reference(x, lower, scale, spec, dim, counter))
+    for out_dtype in {x.dtype, torch.float32}:
+        meta = Packed(packed, lower, scale, x.shape, x.dtype, bits, dim, group_size)
+        got = k.dequantize(codes, lower, scale, dim, group_size, out_dtype)
+        assert got.dtype == out_dtype
+        assert torch.equal(got, dequantize_reference(codes, meta, out_dtype))
+        got = k.dequantize(packed, lower, scale, dim, group_size, out_dtype, bits=bits,
+                           shape=x.shape)
+        assert torch.equal(got, dequantize_packed_reference(meta, out_dtype))
+
+
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('shape, group_dim, group_size', LAYOUTS)
-def test_kernels_match_reference(shape, group_dim, group_size, dtype):
+def test_kernels_match_reference(shape, group_dim, group_size, dtype, device):
     k = kernels()
     dim = group_dim % len(shape)
     groups = -(-shape[dim] // group_size)
-    state = {name: [torch.zeros(groups, device='cuda'), torch.zeros(groups, device='cuda'),
-                    torch.zeros(groups, dtype=torch.bool, device='cuda')]
+    state = {name: [torch.zeros(groups, device=device), torch.zeros(groups, device=device),
+                    torch.zeros(groups, dtype=torch.bool, device=device)]
              for name in ('kernel', 'reference')}
-    for step in range(4):
-        x = sample(shape, dtype, offset=step, nonfinite=step > 0)
+    for step in range(3):
+        x = sample(shape, dtype, device, offset=step, nonfinite=step > 0)
         if step == 0 and groups > 1:  # a group with no finite value stays unseen
             x.narrow(dim, 0, min(group_size, shape[dim])).fill_(float('nan'))
         cover = k.observe(x, *state['kernel'], dim, group_size, 0.9)
@@ -169,46 +288,76 @@ def test_kernels_match_reference(shape, group_dim, group_size, dtype):
             assert torch.equal(got, want), (step, got, want)
 
         lower, span, _ = state['reference']
-        for bits in (2, 4, 8):
+        for bits in BITS:
             scale = scale_from_span(span, bits)
-            spec = QuantSpec(bits=bits, group_dim=dim, group_size=group_size, stochastic=False)
-            codes = k.quantize(x, lower, scale, bits, dim, group_size, False)
-            want = quantize_reference(x, lower, scale, spec, dim)
-            assert codes.dtype == torch.uint8 and codes.shape == x.shape
-            assert torch.equal(codes, want), (bits, (codes != want).sum())
-            for out_dtype in {dtype, torch.float32}:
-                packed = Packed(codes, lower, scale, x.shape, dtype, bits, dim, group_size)
-                got = k.dequantize(codes, lower, scale, dim, group_size, out_dtype)
-                want = dequantize_reference(codes, packed, out_dtype)
-                assert got.dtype == out_dtype
-                assert torch.equal(got, want)
+            for stochastic in (False, True):
+                check_codes(k, x, lower, scale, bits, dim, group_size, stochastic,
+                            (0x0123_4567_89AB_CDEF + step, 1000 * step + bits))
 
 
-@requires_cuda
-@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
-def test_unaligned_input_takes_the_scalar_path_with_same_results(dtype):
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('shape, group_dim', [((4, 64, 28, 28), 1), ((4, 784, 96), -1)])
+def test_kernels_match_reference_across_threads(shape, group_dim, device):
+    """Large enough for several threads' shares; odd offsets at a block boundary."""
     k = kernels()
-    base = sample((1 + 6 * 37,), dtype)
+    x = sample(shape, torch.float32, device, nonfinite=True)
+    dim = group_dim % len(shape)
+    groups = shape[dim]
+    state = [torch.zeros(groups, device=device), torch.zeros(groups, device=device),
+             torch.zeros(groups, dtype=torch.bool, device=device)]
+    ref = [t.clone() for t in state]
+    assert torch.equal(k.observe(x, *state, dim, 1, 0.9), reference_observe(x, *ref, dim, 1, 0.9))
+    scale = scale_from_span(ref[1], 8)
+    for bits in (2, 8):
+        check_codes(k, x, ref[0], scale_from_span(ref[1], bits), bits, dim, 1, True,
+                    (2 ** 64 - 3, 2 ** 64 - 5))
+    check_codes(k, x, ref[0], scale, 8, dim, 1, False, None)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('shape', [(0, 8), (3, 0, 5), (2, 8, 0)])
+def test_empty_tensors(shape, device):
+    k = kernels()
+    x = torch.empty(shape, device=device)
+    groups = -(-shape[1] // 4) if shape[1] else 0
+    lower, span = torch.full((groups,), 1.0, device=device), torch.full((groups,), 2.0,
+                                                                        device=device)
+    seen = torch.zeros(groups, dtype=torch.bool, device=device)
+    cover = k.observe(x, lower, span, seen, 1, 4, 0.9)
+    assert torch.equal(cover, torch.stack([lower, span]))
+    for bits in BITS:
+        codes = k.quantize(x, lower, span, bits, 1, 4, True, pack=True)
+        assert codes.numel() == 0
+        assert k.dequantize(codes, lower, span, 1, 4, torch.float32, bits=bits,
+                            shape=x.shape).shape == x.shape
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_unaligned_input_gives_the_same_results(dtype, device):
+    k = kernels()
+    base = sample((1 + 6 * 37,), dtype, device)
     x = base[1:].view(6, 37)  # contiguous, but not 16-byte aligned
-    lower = torch.full((5,), -2.0, device='cuda')
-    scale = torch.full((5,), 0.05, device='cuda')
-    spec = QuantSpec(bits=8, group_dim=1, group_size=8, stochastic=False)
-    codes = k.quantize(x, lower, scale, 8, 1, 8, False)
-    assert torch.equal(codes, quantize_reference(x, lower, scale, spec, 1))
-    offset_codes = torch.zeros(1 + codes.numel(), dtype=torch.uint8, device='cuda')
+    lower = torch.full((5,), -2.0, device=device)
+    scale = torch.full((5,), 0.05, device=device)
+    for stochastic in (False, True):
+        spec = QuantSpec(bits=8, group_dim=1, group_size=8, stochastic=stochastic)
+        codes = k.quantize(x, lower, scale, 8, 1, 8, stochastic, (1, 2))
+        assert torch.equal(codes, quantize_reference(x, lower, scale, spec, 1, (1, 2)))
+    offset_codes = torch.zeros(1 + codes.numel(), dtype=torch.uint8, device=device)
     offset_codes[1:] = codes.view(-1)
     unaligned = offset_codes[1:].view(6, 37)
     assert torch.equal(k.dequantize(unaligned, lower, scale, 1, 8, dtype),
                        k.dequantize(codes, lower, scale, 1, 8, dtype))
 
 
-@requires_cuda
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-def test_stochastic_rounding_is_unbiased(dtype):
+def test_stochastic_rounding_is_unbiased(dtype, device):
     k = kernels()
-    x = (torch.rand(64, 96, device='cuda') * 4 - 1).to(dtype)
-    lower = torch.full((3,), -1.0, device='cuda')
-    span = torch.full((3,), 4.0, device='cuda')
+    x = (torch.rand(64, 96, device=device) * 4 - 1).to(dtype)
+    lower = torch.full((3,), -1.0, device=device)
+    span = torch.full((3,), 4.0, device=device)
     scale = scale_from_span(span, 8)
     step = scale[0].item()
     draws = torch.stack([k.dequantize(k.quantize(x, lower, scale, 8, 1, 32, True), lower, scale,
@@ -222,84 +371,126 @@ def test_stochastic_rounding_is_unbiased(dtype):
     assert ((codes == floor) | (codes == floor + 1)).all()
 
 
-@requires_cuda
-def test_stochastic_rounding_is_reproducible_and_leaves_global_rng_alone():
+@pytest.mark.parametrize('device', DEVICES)
+def test_stochastic_rounding_is_reproducible_and_leaves_global_rng_alone(device):
     k = kernels()
-    x = torch.randn(33, 70, device='cuda', dtype=torch.float16)
-    lower = torch.full((9,), -4.0, device='cuda')
-    scale = torch.full((9,), 8 / 255, device='cuda')
+    x = torch.randn(33, 70, device=device, dtype=torch.float16)
+    lower = torch.full((9,), -4.0, device=device)
+    scale = torch.full((9,), 8 / 255, device=device)
 
     def draw():
         return k.quantize(x, lower, scale, 8, 1, 8, True)
 
+    def rng_state():
+        return torch.cuda.get_rng_state() if device == 'cuda' else torch.get_rng_state()
+
     torch.manual_seed(7)
     reset_rounding_generators()
     first, second = draw(), draw()
-    after = torch.cuda.get_rng_state()
+    after = rng_state()
     assert not torch.equal(first, second)
     torch.manual_seed(7)
     reset_rounding_generators()
     assert torch.equal(draw(), first) and torch.equal(draw(), second)
     torch.manual_seed(7)
-    assert torch.equal(torch.cuda.get_rng_state(), after)  # the model's stream is untouched
-    generator = torch.Generator('cuda')
-    generator.manual_seed(11)
-    own = k.quantize(x, lower, scale, 8, 1, 8, True, generator=generator)
-    generator.manual_seed(11)
-    assert torch.equal(k.quantize(x, lower, scale, 8, 1, 8, True, generator=generator), own)
+    assert torch.equal(rng_state(), after)  # the model's stream is untouched
+    own = k.quantize(x, lower, scale, 8, 1, 8, True, counter=(11, 0))
+    assert torch.equal(k.quantize(x, lower, scale, 8, 1, 8, True, counter=(11, 0)), own)
+    assert not torch.equal(k.quantize(x, lower, scale, 8, 1, 8, True, counter=(12, 0)), own)
 
 
-@requires_cuda
-def test_invalid_arguments_are_rejected_clearly():
+@pytest.mark.parametrize('device', DEVICES)
+def test_invalid_arguments_are_rejected_clearly(device):
     k = kernels()
-    x = torch.randn(8, 16, device='cuda')
-    lower, scale = torch.zeros(2, device='cuda'), torch.ones(2, device='cuda')
+    x = torch.randn(8, 16, device=device)
+    lower, scale = torch.zeros(2, device=device), torch.ones(2, device=device)
     with pytest.raises(RuntimeError, match='must be contiguous'):
         k.quantize(x.t(), lower, scale, 8, 0, 8, False)
     with pytest.raises(RuntimeError, match=r'must have shape \(2,\)'):
-        k.quantize(x, torch.zeros(3, device='cuda'), scale, 8, 1, 8, False)
+        k.quantize(x, torch.zeros(3, device=device), scale, 8, 1, 8, False)
     with pytest.raises(RuntimeError, match='must be Float'):
         k.quantize(x, lower.double(), scale, 8, 1, 8, False)
     with pytest.raises(RuntimeError, match='group_dim=2 is out of range'):
         k.quantize(x, lower, scale, 8, 2, 8, False)
     with pytest.raises(RuntimeError, match='bits must be in'):
         k.quantize(x, lower, scale, 9, 1, 8, False)
+    with pytest.raises(RuntimeError, match='can be packed, got bits=3'):
+        k.quantize(x, lower, scale, 3, 1, 8, False, pack=True)
     with pytest.raises(RuntimeError, match='codes must be uint8'):
         k.dequantize(x, lower, scale, 1, 8, torch.float32)
+    with pytest.raises(RuntimeError, match='codes hold 64 bytes, but 128 codes of 2 bits take 32'):
+        k.dequantize(torch.zeros(64, dtype=torch.uint8, device=device), lower, scale, 1, 8,
+                     torch.float32, bits=2, shape=x.shape)
     with pytest.raises(RuntimeError, match='x must be float32'):
         k.quantize(x.int(), lower, scale, 8, 1, 8, False)
     with pytest.raises(RuntimeError, match='seen must be Bool'):
-        k.observe(x, lower, scale, torch.zeros(2, device='cuda'), 1, 8, 0.9)
+        k.observe(x, lower, scale, torch.zeros(2, device=device), 1, 8, 0.9)
+    with pytest.raises(ValueError, match='need the shape'):
+        k.dequantize(torch.zeros(32, dtype=torch.uint8, device=device), lower, scale, 1, 8,
+                     torch.float32, bits=2)
 
 
-@requires_cuda
-@pytest.mark.parametrize('bits', [2, 4, 8])
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('stochastic', [False, True])
+@pytest.mark.parametrize('bits', [1, 2, 4, 8])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-def test_activation_quantizer_cuda_backend_matches_torch(bits, dtype):
+def test_activation_quantizer_kernels_match_torch(bits, dtype, stochastic, device):
     shape, group_dim = (4, 3, 49, 49), 1
-    quantizers = {backend: ActivationQuantizer(QuantSpec(
-        bits=bits, group_dim=group_dim, group_size=1, stochastic=False, ema_decay=0.9,
-        backend=backend)).cuda() for backend in ('cuda', 'torch')}
+    backend = 'cuda' if device == 'cuda' else 'auto'
+    quantizers = {name: ActivationQuantizer(QuantSpec(
+        bits=bits, group_dim=group_dim, group_size=1, stochastic=stochastic, ema_decay=0.9,
+        backend=name)).to(device) for name in (backend, 'torch')}
     for step in range(3):
-        x = sample(shape, dtype, offset=step, nonfinite=step == 2)
-        packed = {name: q.pack(x) for name, q in quantizers.items()}
+        x = sample(shape, dtype, device, offset=step, nonfinite=step == 2)
+        packed = {}
+        for name, q in quantizers.items():
+            reset_rounding_generators()  # both draw from the start of the stream
+            packed[name] = q.pack(x)
         for name in ('lower', 'span', 'seen'):
-            assert torch.equal(getattr(quantizers['cuda'], name),
+            assert torch.equal(getattr(quantizers[backend], name),
                                getattr(quantizers['torch'], name))
-        assert torch.equal(packed['cuda'].data, packed['torch'].data)
-        assert torch.equal(unpack(packed['cuda']), unpack(packed['torch']))
-        assert torch.equal(unpack(packed['cuda'], torch.float32),
+        assert torch.equal(packed[backend].data, packed['torch'].data)
+        assert torch.equal(unpack(packed[backend]), unpack(packed['torch']))
+        assert torch.equal(unpack(packed[backend], torch.float32),
                            unpack(packed['torch'], torch.float32))
 
 
-@requires_cuda
-def test_activation_quantizer_stochastic_cuda_stays_within_one_step():
+@pytest.mark.parametrize('device', DEVICES)
+def test_activation_quantizer_stochastic_stays_within_one_step(device):
+    backend = 'cuda' if device == 'cuda' else 'auto'
     q = ActivationQuantizer(QuantSpec(bits=8, group_dim=-1, group_size=32, stochastic=True,
-                                      backend='cuda')).cuda()
-    x = torch.randn(64, 96, device='cuda')
+                                      backend=backend)).to(device)
+    x = torch.randn(64, 96, device=device)
     packed = q.pack(x)
     step = packed.scale.repeat_interleave(32)
     assert ((unpack(packed) - x).abs() <= step * (1 + 1e-5)).all()
+
+
+# ---------------------------------------------------------------- CUDA against CPU
+
+@requires_build
+@requires_cuda
+@pytest.mark.parametrize('stochastic', [False, True])
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('shape, group_dim, group_size', LAYOUTS)
+def test_cuda_and_cpu_kernels_give_the_same_codes(shape, group_dim, group_size, dtype,
+                                                  stochastic):
+    k = kernels()
+    dim = group_dim % len(shape)
+    groups = -(-shape[dim] // group_size)
+    x = sample(shape, dtype, 'cuda', nonfinite=True)
+    lower = torch.randn(groups, device='cuda') - 3
+    for bits in BITS:
+        scale = torch.rand(groups, device='cuda') * 6 / (2 ** bits - 1) + 1e-3
+        args = (bits, dim, group_size, stochastic, (0xFEED_FACE_CAFE_BEEF, 12345), True)
+        on_gpu = k.quantize(x, lower, scale, *args)
+        on_cpu = k.quantize(x.cpu(), lower.cpu(), scale.cpu(), *args)
+        assert torch.equal(on_gpu.cpu(), on_cpu), (bits, (on_gpu.cpu() != on_cpu).sum())
+        decoded = k.dequantize(on_gpu, lower, scale, dim, group_size, dtype, bits=bits,
+                               shape=x.shape)
+        assert torch.equal(decoded.cpu(), k.dequantize(on_cpu, lower.cpu(), scale.cpu(), dim,
+                                                       group_size, dtype, bits=bits,
+                                                       shape=x.shape))
 
 
 @requires_cuda
@@ -313,3 +504,15 @@ def test_division_cuda_backend_matches_torch(shape, channel_dim):
     assert torch.equal(packed['cuda'].lfc, packed['torch'].lfc)
     assert torch.equal(packed['cuda'].hfc.data, packed['torch'].hfc.data)
     assert torch.equal(unpack(packed['cuda']), unpack(packed['torch']))
+
+
+@pytest.mark.parametrize('shape, channel_dim', [((2, 16, 19, 13), 1), ((8, 49, 32), -1)])
+def test_division_auto_backend_matches_torch_on_cpu(shape, channel_dim):
+    from mmseg_mesa.division import DivisionCompressor, DivisionSpec
+    x = torch.randn(shape)
+    packed = {backend: DivisionCompressor(DivisionSpec(
+        bits=2, channel_dim=channel_dim, stochastic=False, backend=backend)).pack(x)
+        for backend in ('auto', 'torch')}
+    assert torch.equal(packed['auto'].lfc, packed['torch'].lfc)
+    assert torch.equal(packed['auto'].hfc.data, packed['torch'].hfc.data)
+    assert torch.equal(unpack(packed['auto']), unpack(packed['torch']))

@@ -10,6 +10,7 @@ from mmseg_mesa.quantizer import (
     reset_rounding_generators,
     unpack,
 )
+from mmseg_mesa.reference import rounding_uniforms
 
 
 def spec(**kw):
@@ -135,15 +136,17 @@ def test_unpack_returns_packed_dtype(dtype):
     assert unpack(packed).dtype == dtype
 
 
-def one_pass_codes(x, lower, scale, spec, group_dim, generator=None):
-    """The documented numerics in one expression over the whole tensor (the contract)."""
+def one_pass_codes(x, lower, scale, spec, group_dim, counter=None):
+    """The documented numerics in one expression over the whole tensor (the contract); the
+    stochastic draws are one call's Philox stream at ``counter``."""
     shape = [1] * x.dim()
     shape[group_dim] = x.shape[group_dim]
     lower_c = lower.repeat_interleave(spec.group_size)[:x.shape[group_dim]].view(shape)
     scale_c = scale.repeat_interleave(spec.group_size)[:x.shape[group_dim]].view(shape)
     v = (x.float() - lower_c) / scale_c
     if spec.stochastic:
-        v = torch.floor(v + torch.rand(v.shape, generator=generator))
+        seed, offset = counter
+        v = torch.floor(v + rounding_uniforms(seed, offset, 0, v.numel(), v.device).view(v.shape))
     else:
         v = torch.round(v)
     return v.nan_to_num_(nan=0.0).clamp_(0, 2 ** spec.bits - 1).to(torch.uint8)
@@ -169,8 +172,7 @@ def test_piecewise_torch_path_equals_one_pass(monkeypatch, stochastic, bits, sha
     torch.manual_seed(4)
     reset_rounding_generators()
     packed = pack(x, s, lower, span)
-    generator = torch.Generator().manual_seed(torch.initial_seed() ^ 0x5EED_3E5A)
-    want = one_pass_codes(x, lower, packed.scale, s, dim, generator)
+    want = one_pass_codes(x, lower, packed.scale, s, dim, (torch.initial_seed() ^ 0x5EED_3E5A, 0))
     assert len(reference._pieces(x.shape, dim)[1]) > 3
     assert torch.equal(packed.data.reshape(-1),
                        want.reshape(-1) if bits == 8 else pack_bits(want, bits))
