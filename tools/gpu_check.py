@@ -15,9 +15,12 @@ Steps, in order of value; each has its own timeout and all end within ``--budget
                       mmcv op). --mmcv-build-s N builds the CPU ops in the background instead
                       (GPU hidden: CUDA ops would take far longer), with the stand-in if that
                       fails or takes longer than N seconds
-  build_ext           mmseg_mesa._C for sm_90 (``pip install --no-build-isolation -e .``)
-  tests               tests/test_extension.py: kernel == reference bit for bit, DIVISION
-                      through the CUDA quantizer; no test may skip on the GPU machine (tests.xml)
+  build_ext           mmseg_mesa._C (CPU kernels and CUDA for sm_90;
+                      ``pip install --no-build-isolation -e .``)
+  tests               tests/test_extension.py: kernel == reference bit for bit (CPU and CUDA
+                      kernels), CUDA-kernel codes == CPU-kernel codes under both roundings
+                      (summary.json's `cpu_cuda_codes`), DIVISION through the CUDA quantizer;
+                      no test may skip on the GPU machine (tests.xml)
   tests_cuda_default  the layer / DIVISION / quantizer tests with torch's default device set to
                       the GPU, so their modules and tensors live there and backend='auto' takes
                       the kernels (less the tests that draw from a CPU generator; tests.xml)
@@ -39,11 +42,11 @@ The code is the package gpu_check/ beside this file: settings.py holds what is s
 machine (paths, versions, cores, limits, timeouts) and the sizes of both runs.
 
 The dry run is the same code on CPU with tiny sizes. It installs and builds nothing (the .venv
-has it all and is shared), runs two tests of test_extension.py (one whose CUDA cases skip) and
-one quantizer test through the default-device plugin, expects benchmark_kernels.py to refuse
-without a GPU, runs tools/benchmark_memory.py on CPU on the demo model (64x64, batch 2, three
-modes), trains without --amp (mmengine's AmpOptimWrapper needs a GPU) and loads the checkpoint
-into the plain model but does not run tools/test.py.
+has it all and is shared), runs three tests of test_extension.py (their CPU cases run, their
+CUDA cases skip) and one quantizer test through the default-device plugin, expects
+benchmark_kernels.py to refuse without a GPU, runs tools/benchmark_memory.py on CPU on the demo
+model (64x64, batch 2, three modes), trains without --amp (mmengine's AmpOptimWrapper needs a
+GPU) and loads the checkpoint into the plain model but does not run tools/test.py.
 """
 from __future__ import annotations
 

@@ -29,6 +29,23 @@ def junit_counts(path: Path) -> dict[str, int] | None:
             for key in ('tests', 'failures', 'errors', 'skipped')}
 
 
+def junit_case_counts(path: Path, name: str) -> dict[str, int] | None:
+    """Outcomes of the test cases called ``name`` (every parametrization) in a JUnit file."""
+    if not path.exists():
+        return None
+    counts = dict(passed=0, failed=0, skipped=0)
+    for case in ET.parse(path).getroot().iter('testcase'):
+        if case.get('name', '').split('[')[0] != name:
+            continue
+        if case.find('skipped') is not None:
+            counts['skipped'] += 1
+        elif case.find('failure') is not None or case.find('error') is not None:
+            counts['failed'] += 1
+        else:
+            counts['passed'] += 1
+    return counts
+
+
 def merge_junit(paths: list[Path], target: Path) -> None:
     """One tests.xml from every pytest run (the device returns 8 files at most)."""
     root = ET.Element('testsuites')

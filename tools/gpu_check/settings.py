@@ -74,8 +74,12 @@ GPU = Sizes(test_files=('tests/test_extension.py',), cuda_default_files=LAYER_TE
             test_tool=True,
             caps=dict(env=90, install=90, build_ext=300, tests=200, tests_cuda_default=150,
                       kernels=150, memory=150, memory_presets=150, train=200))
+# The test that holds the CUDA kernels' codes to the CPU kernels' (both roundings): its outcome
+# is the summary's `cpu_cuda_codes` acceptance entry.
+CROSS_DEVICE_TEST = 'test_cuda_and_cpu_kernels_give_the_same_codes'
 DRY = Sizes(test_files=('tests/test_extension.py::test_arch_coverage',
-                        'tests/test_extension.py::test_kernels_match_reference'),
+                        'tests/test_extension.py::test_kernels_match_reference',
+                        f'tests/test_extension.py::{CROSS_DEVICE_TEST}'),
             cuda_default_files=('tests/test_quantizer.py::test_mask_round_trip',),
             memory_config=MESA_DEMO, memory_batches=(2,), memory_iters=1,
             memory_modes=('baseline', 'mesa:default', 'amp'), memory_presets=False,

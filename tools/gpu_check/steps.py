@@ -9,6 +9,7 @@ import re
 from .mmcv_setup import step_mmcv, wait_mmcv
 from .results import (
     format_summary,
+    junit_case_counts,
     junit_counts,
     kernel_figures,
     memory_figures,
@@ -19,6 +20,7 @@ from .runner import Check
 from .settings import (
     BUILD_JOBS,
     CPU_GENERATOR_TESTS,
+    CROSS_DEVICE_TEST,
     CUDA_ARCH,
     ENTRY,
     KERNEL_OF_COPY_MIN,
@@ -111,6 +113,12 @@ def step_tests(check: Check, name: str, files: tuple[str, ...], default_device: 
     note = f'{counts}' if counts else 'no JUnit XML written'
     if counts and skipped and not check.dry:
         note += ': tests were skipped on the GPU machine'
+    cross = junit_case_counts(junit, CROSS_DEVICE_TEST) if name == 'tests' else None
+    if cross is not None and (cross['passed'] or cross['failed'] or not check.dry):
+        # CPU-kernel codes == CUDA-kernel codes, deterministic and stochastic rounding
+        check.summary['acceptance']['cpu_cuda_codes'] = dict(
+            value=cross, limit='every case passes',
+            holds=cross['passed'] > 0 and not cross['failed'] + cross['skipped'])
     if default_device:
         note += (f' (default device {default_device}; left out, CPU generators: '
                  f'{", ".join(CPU_GENERATOR_TESTS)})')
