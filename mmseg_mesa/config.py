@@ -15,6 +15,10 @@ from typing import Any
 SUPPORTED_BITS = (2, 4, 8)
 BACKENDS = ('auto', 'cuda', 'torch')
 COMPRESSORS = ('mesa', 'division')
+# What converted attention keeps of its maps for backward: 'recompute' keeps none (backward
+# recomputes them from the 8-bit q, k and v, layers.attention_core); 'stored' keeps Mesa's 8-bit
+# copy of every map.
+ATTENTION_MAPS = ('recompute', 'stored')
 LAYER_TYPES = (
     'linear', 'conv2d', 'gelu', 'softmax', 'layernorm', 'matmul', 'batchnorm', 'relu', 'dropout',
     'droppath', 'attention', 'loss',
@@ -98,6 +102,9 @@ class MesaConfig:
             (matching modules of other types keep Mesa's quantizer). Defaults to ().
         division_block: Side of DIVISION's average-pooling block. Defaults to 8 (the paper's).
         division_bits: Bit width of DIVISION's high-frequency residual. Defaults to 2.
+        attention_maps: ``'recompute'``: attention keeps no map for backward, which recomputes
+            each map from the 8-bit q, k and v (O(N) memory per layer instead of O(N^2));
+            ``'stored'``: Mesa's 8-bit copy of every map. Defaults to ``'recompute'``.
 
     Named presets (``MesaConfig.preset(name)``, or ``mesa=dict(preset=name, ...)`` in a config)
     bundle these fields; see ``PRESETS``.
@@ -117,6 +124,7 @@ class MesaConfig:
     division_modules: tuple[str, ...] = ()
     division_block: int = 8
     division_bits: int = 2
+    attention_maps: str = 'recompute'
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -157,6 +165,8 @@ class MesaConfig:
             _fail('division_block', self.division_block, 'an integer >= 2')
         if not _is_bits(self.division_bits):
             _fail('division_bits', self.division_bits, ', '.join(map(str, SUPPORTED_BITS)))
+        if self.attention_maps not in ATTENTION_MAPS:
+            _fail('attention_maps', self.attention_maps, ', '.join(ATTENTION_MAPS))
 
     def for_layer(self, layer_type: str, name: str = '') -> MesaConfig:
         """The config one converted module gets: its bit width and compressor resolved.
@@ -210,8 +220,9 @@ class MesaConfig:
 # Named presets: fields that differ from MesaConfig's defaults. Their memory ratios and demo
 # fidelity are measured in docs/benchmarks.md (`tools/benchmark_memory.py` runs each as a mode).
 PRESETS: dict[str, dict[str, Any]] = {
-    # The paper's Mesa: every layer type but 'loss' (the decode head's loss is left as it is).
-    'paper': dict(layers=frozenset(LAYER_TYPES) - {'loss'}),
+    # The paper's Mesa: every layer type but 'loss' (the decode head's loss is left as it is),
+    # and an 8-bit copy of every attention map.
+    'paper': dict(layers=frozenset(LAYER_TYPES) - {'loss'}, attention_maps='stored'),
     # MesaConfig(), what ``mesa = True`` gives: the paper's layers plus the exact low-resolution
     # loss (layer type 'loss').
     'default': {},
@@ -220,6 +231,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # near or above 0.10 on mmseg configs (docs/benchmarks.md, "Gradient fidelity"). No preset
     # uses DIVISION: on the conv / batch-norm inputs it saves more but cost mIoU on the demo.
     'max-saving': dict(layer_bits={'layernorm': 4}),
+    # The default with Mesa's 8-bit copy of every attention map instead of recomputing the maps
+    # in backward: more memory on plain ViTs, no recomputation.
+    'stored-maps': dict(attention_maps='stored'),
 }
 # Presets under a former name: asking for one fails with its new name.
 RENAMED_PRESETS = {'mesa': 'paper'}

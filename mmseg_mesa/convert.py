@@ -33,6 +33,8 @@ class ConversionReport:
     converted: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (from, to)
     left: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (type, reason)
     covered: dict[str, str] = field(default_factory=dict)  # name -> parent that handles it
+    # name -> how a converted module keeps less than it could (``MesaModule.mesa_note``)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def converted_by_type(self) -> Counter:
         return Counter(src for src, _ in self.converted.values())
@@ -48,6 +50,10 @@ class ConversionReport:
             lines.append(f'Left unconverted: {len(self.left)} leaf module(s):')
             for (typ, reason), n in sorted(self.left_by_reason().items()):
                 lines.append(f'  {n:5d} x {typ}: {reason}')
+        if self.notes:
+            lines.append(f'Notes on {len(self.notes)} converted module(s):')
+            for note, n in sorted(Counter(self.notes.values()).items()):
+                lines.append(f'  {n:5d} x {note}')
         return '\n'.join(lines)
 
     __str__ = format
@@ -108,6 +114,9 @@ def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
         original = type(module).__name__
         covered = handler.convert(module, config.for_layer(handler.layer_type, name)) or ()
         report.converted[name] = (original, type(module).__name__)
+        note = getattr(module, 'mesa_note', None)
+        if note is not None:
+            report.notes[name] = f'{original}: {note}'
         for child in covered:
             full = f'{name}.{child}' if name else child
             report.covered[full] = name

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .saved import SOFTMAX_OUTPUT, current_label
+
 
 @dataclass
 class SavedTensorReport:
@@ -29,10 +31,13 @@ class SavedTensorReport:
     ``by_type`` counts by that module's type, ``by_module`` by its qualified name (``''`` is the
     model itself, ``'<functional>'`` means no module was running), and ``storages`` maps each
     counted storage (``storage_key``) to that name and its bytes, so a caller can tell who saved
-    what (``tools/coverage.py`` splits it into Mesa's saves and the rest).
+    what (``tools/coverage.py`` splits it into Mesa's saves and the rest). ``softmax_bytes``
+    is the part that softmax outputs take (attention maps, in transformers): torch's softmax
+    keeps its output, Mesa's softmax its codes.
     """
 
     total_bytes: int = 0
+    softmax_bytes: int = 0
     by_type: Counter = field(default_factory=Counter)
     by_module: Counter = field(default_factory=Counter)
     storages: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict)
@@ -80,6 +85,9 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
                 nbytes = t.untyped_storage().nbytes()
                 qualified, name = stack[-1] if stack else ('<functional>', '<functional>')
                 report.total_bytes += nbytes
+                if current_label() == SOFTMAX_OUTPUT or \
+                        type(t.grad_fn).__name__ == 'SoftmaxBackward0':
+                    report.softmax_bytes += nbytes
                 report.by_type[name] += nbytes
                 report.by_module[qualified] += nbytes
                 report.storages[key] = (qualified, nbytes)

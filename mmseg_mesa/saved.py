@@ -34,8 +34,20 @@ class PackedMask:
 Saveable = torch.Tensor | Codes | PackedMask | None
 
 
-def save(ctx: Any, *items: Saveable) -> None:
-    """``ctx.save_for_backward`` for tensors, compressed activations, masks and None."""
+# What the tensors being saved are, while ``save`` saves them with a label (``memory``'s saved
+# bytes report counts attention maps by it).
+_LABELS: list[str] = []
+SOFTMAX_OUTPUT = 'softmax output'  # attention maps, among others
+
+
+def current_label() -> str | None:
+    """The label ``save`` is saving under now, or None."""
+    return _LABELS[-1] if _LABELS else None
+
+
+def save(ctx: Any, *items: Saveable, label: str | None = None) -> None:
+    """``ctx.save_for_backward`` for tensors, compressed activations, masks and None;
+    ``label`` names what they are for saved-bytes reports (``memory.count_saved_tensors``)."""
     flat: list[torch.Tensor | None] = []
     layout: list[tuple] = []
     for item in items:
@@ -49,7 +61,13 @@ def save(ctx: Any, *items: Saveable) -> None:
         else:
             layout.append(('tensor', 1, None))
             flat.append(item)
-    ctx.save_for_backward(*flat)
+    if label is not None:
+        _LABELS.append(label)
+    try:
+        ctx.save_for_backward(*flat)
+    finally:
+        if label is not None:
+            _LABELS.pop()
     ctx.mesa_layout = layout
 
 

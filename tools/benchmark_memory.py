@@ -301,7 +301,7 @@ def measure(model: torch.nn.Module, batch: tuple, mode: str, device: str, iters:
         run_step(model, batch, mode, device, optimizer)
         synchronize(device)
         times.append(time.perf_counter() - start)
-    return dict(result, saved_bytes=saved.total_bytes,
+    return dict(result, saved_bytes=saved.total_bytes, softmax_bytes=saved.softmax_bytes,
                 step_time_s=statistics.median(times) if times else None,
                 by_type=dict(saved.by_type))
 
@@ -430,6 +430,8 @@ def format_table(results: dict) -> str:
         if any(r['peak_by_category'].get(category) for r in modes.values()):
             lines.append(f'{category:<12}' + ''.join(
                 f"{r['peak_by_category'].get(category, 0) / mib:17.0f}" for r in modes.values()))
+    lines.append("\nOf the saved MiB, softmax outputs (attention maps): " + ', '.join(
+        f"{m}={r.get('softmax_bytes', 0) / mib:.1f}" for m, r in modes.items()))
     types = sorted({t for r in modes.values() for t in r['by_type']},
                    key=lambda t: -modes.get('baseline', next(iter(modes.values())))[
                        'by_type'].get(t, 0))

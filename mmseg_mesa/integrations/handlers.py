@@ -17,8 +17,9 @@ def register_openmmlab_handlers() -> None:
     from mmseg.models.decode_heads.knet_head import KernelUpdator
     from mmseg.models.decode_heads.uper_head import UPerHead
 
+    from .attention import MesaWindowMSA
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
-    from .modules import MesaDecodeHead, MesaDropPath, MesaWindowMSA
+    from .modules import MesaDecodeHead, MesaDropPath
     from .uper_head import MesaUPerHead
 
     # mmcv's wrappers override forward only to special-case empty inputs on torch < 1.9
@@ -73,9 +74,8 @@ def functional_types() -> dict[type, str]:
     """
     from mmcv.cnn.bricks.context_block import ContextBlock
     from mmcv.cnn.bricks.non_local import NonLocal2d
-    from mmseg.models.backbones.beit import BEiTAttention, BEiTTransformerEncoderLayer
+    from mmseg.models.backbones.beit import BEiTTransformerEncoderLayer
     from mmseg.models.backbones.mscan import MSCAAttention, MSCABlock
-    from mmseg.models.backbones.twins import LocallyGroupedSelfAttention
     from mmseg.models.decode_heads.apc_head import ACM
     from mmseg.models.decode_heads.da_head import CAM
     from mmseg.models.decode_heads.knet_head import KernelUpdateHead
@@ -84,8 +84,8 @@ def functional_types() -> dict[type, str]:
 
     # KernelUpdateHead: the mask softmax, the mask-weighted sum (einsum) and the convolution
     # with its dynamic kernels
-    attention = (BEiTAttention, LocallyGroupedSelfAttention, SelfAttentionBlock,
-                 SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock, KernelUpdateHead)
+    attention = (SelfAttentionBlock, SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock,
+                 KernelUpdateHead)
     # layer scale (x * gamma) and gated convolutions (attn * u)
     products = (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock)
     return {**{t: 'attention' for t in attention}, **{t: 'product' for t in products}}
@@ -93,6 +93,11 @@ def functional_types() -> dict[type, str]:
 
 def register_functional_handlers() -> None:
     from ..layers.functional import MesaFunctional
+    from .attention import REWRITTEN, convert_attention
 
     for module_type, layer_type in functional_types().items():
         register_handler(module_type, layer_type, swap_to(MesaFunctional), replaces=())
+    # BEiT / MAE / Twins attention: rewritten to keep no maps, or MesaFunctional (a subclass
+    # with its own forward, attention_maps='stored'); either way its forward is its own.
+    for module_type in REWRITTEN:
+        register_handler(module_type, 'attention', convert_attention, replaces=())

@@ -1,8 +1,5 @@
 """Mesa versions of mmcv / mmseg modules whose forward must be rewritten.
 
-- mmseg's Swin ``WindowMSA`` computes ``q @ k^T`` and ``attn @ v`` functionally; ``MesaWindowMSA``
-  routes them through ``MesaMatMul`` (one quantization group per head). Its Linear, Softmax and
-  Dropout children are converted by their own handlers.
 - mmcv's ``DropPath`` becomes ``MesaDropPath`` (one saved bit per sample).
 - Decode heads using ``BaseDecodeHead.loss_by_feat`` (UPerHead, FCNHead, ...) become
   ``MesaDecodeHead``: per-pixel cross-entropies are computed band by band
@@ -16,7 +13,6 @@ import logging
 import torch
 from mmcv.cnn.bricks.drop import DropPath
 from mmengine.logging import print_log
-from mmseg.models.backbones.swin import WindowMSA
 from mmseg.models.decode_heads.decode_head import BaseDecodeHead
 from mmseg.models.losses import CrossEntropyLoss
 from mmseg.models.losses.cross_entropy_loss import cross_entropy
@@ -27,42 +23,7 @@ from ..config import MesaConfig
 from ..layers.banded_loss import BandedLossSpec, PixelCrossEntropy, banded_cross_entropy
 from ..layers.base import MesaModule
 from ..layers.dropout import MesaDropPathFunction
-from ..layers.matmul import MesaMatMul
 from ..layers.recompute import recomputed_losses
-
-
-class MesaWindowMSA(MesaModule, WindowMSA):
-    """Swin window attention with both attention matmuls compressed per head."""
-
-    def mesa_setup(self, config: MesaConfig) -> None:
-        super().mesa_setup(config)
-        self.mesa_qk = MesaMatMul(mesa_config=config.for_layer('matmul'))
-        self.mesa_av = MesaMatMul(mesa_config=config.for_layer('matmul'))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.mesa_active(x, self.qkv.weight):
-            return super().forward(x, mask)
-        # Same steps as WindowMSA.forward (mmseg 1.2.2), with the two matmuls as modules.
-        B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads,
-                                  C // self.num_heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        q = q * self.scale
-        attn = self.mesa_qk(q, k.transpose(-2, -1))
-        window_area = self.window_size[0] * self.window_size[1]
-        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(
-            window_area, window_area, -1)
-        attn = attn + bias.permute(2, 0, 1).contiguous().unsqueeze(0)
-        if mask is not None:
-            windows = mask.shape[0]
-            attn = attn.view(B // windows, windows, self.num_heads, N,
-                             N) + mask.unsqueeze(1).unsqueeze(0)
-            attn = attn.view(-1, self.num_heads, N, N)
-        attn = self.softmax(attn)
-        attn = self.attn_drop(attn)
-        x = self.mesa_av(attn, v).transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
-        return self.proj_drop(x)
 
 
 class MesaDropPath(MesaModule, DropPath):

@@ -18,6 +18,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
+from .attention_core import ATTENTION_QUANTIZERS, MesaAttentionFunction, recomputes_maps
 from .base import MesaModule, autocast_inputs, no_autocast_backward
 from .dropout import MesaDropout
 from .linear import MesaLinearFunction
@@ -93,7 +94,9 @@ class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
     would use ``scaled_dot_product_attention`` instead, whose rounding may differ in the last bit.
     """
 
-    mesa_quantizers = {name: (-1, None) for name in ('quant_q', 'quant_k', 'quant_v', 'quant_out')}
+    mesa_quantizers = {**{name: (-1, None) for name in ('quant_q', 'quant_k', 'quant_v',
+                                                        'quant_out')},
+                       **ATTENTION_QUANTIZERS}
 
     def mesa_setup(self, config: MesaConfig) -> None:
         reason = unsupported_mha_reason(self)
@@ -152,6 +155,21 @@ class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
                                 .expand(-1, heads, -1, -1).reshape(bsz * heads, 1, src_len))
             attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
         q_scaled = q * math.sqrt(1.0 / float(head_dim))
+        dropout_p = self.dropout if self.training else 0.0
+        if recomputes_maps(self.mesa_config, attn_mask, dropout_p):
+            mask = None
+            if attn_mask is not None:  # (1 or B*H, 1 or L, S) -> (1 or B, 1 or H, ., S)
+                mask = attn_mask.view(-1 if attn_mask.shape[0] == 1 else bsz,
+                                      1 if attn_mask.shape[0] == 1 else heads,
+                                      *attn_mask.shape[1:])
+            result = MesaAttentionFunction.apply(
+                q_scaled.view(bsz, heads, tgt_len, head_dim),
+                k.view(bsz, heads, src_len, head_dim), v.view(bsz, heads, src_len, head_dim),
+                None, None, mask, None, dropout_p, need_weights,
+                (self.quant_attn_q, self.quant_attn_k, self.quant_attn_v))
+            out, attn = result if need_weights else (result, None)
+            return self._mesa_out_projection(out, tgt_len, bsz, embed_dim, heads, attn,
+                                             need_weights, average_attn_weights)
         # (B*H, L, d) viewed as (B, H, L, d): quantization groups are heads.
         scores = self.mesa_qk(q_scaled.view(bsz, heads, tgt_len, head_dim),
                               k.transpose(-2, -1).view(bsz, heads, head_dim, src_len))
@@ -164,14 +182,20 @@ class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
         if self.training and self.dropout > 0.0:
             attn = self.mesa_attn_drop(attn)
         out = self.mesa_av(attn, v.view(bsz, heads, src_len, head_dim))
-        out = out.view(bsz * heads, tgt_len, head_dim)
+        return self._mesa_out_projection(out, tgt_len, bsz, embed_dim, heads, attn,
+                                         need_weights, average_attn_weights)
+
+    def _mesa_out_projection(self, out, tgt_len, bsz, embed_dim, heads, attn, need_weights,
+                             average_attn_weights):
+        """Heads merged, ``out_proj``, and the weights torch returns with them."""
+        out = out.view(bsz * heads, tgt_len, out.shape[-1])
         out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
         out = MesaLinearFunction.apply(out, self.out_proj.weight, self.out_proj.bias,
                                        self.quant_out)
         out = out.view(tgt_len, bsz, out.size(1))
         if not need_weights:
             return out, None
-        weights = attn.view(bsz, heads, tgt_len, src_len)
+        weights = attn.view(bsz, heads, tgt_len, attn.shape[-1])
         return out, (weights.mean(dim=1) if average_attn_weights else weights)
 
     def _mesa_in_projection(self, q, k, v, embed_dim):

@@ -65,6 +65,9 @@ class MesaModule:
     # (dim 0) are unrelated vectors of very different scales (K-Net's proposals): every
     # quantizer then gets one group per row over the batch's own range.
     mesa_row_groups: bool = False
+    # Set by a converter that had to keep more than the layer type usually keeps (an attention
+    # whose maps could not be left out); the conversion report lists it.
+    mesa_note: str | None = None
 
     def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
         """Build the torch module from its usual arguments, then attach Mesa."""

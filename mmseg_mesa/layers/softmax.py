@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantizer import ActivationQuantizer, attach_codes, unpack
-from ..saved import load, save
+from ..saved import SOFTMAX_OUTPUT, load, save
 from .base import MesaModule, no_autocast_backward, record_input
 
 
@@ -21,7 +21,7 @@ class MesaSoftmaxFunction(torch.autograd.Function):
         ctx.dim = dim
         y = F.softmax(x, dim)
         packed = quantizer.pack(y)
-        save(ctx, packed)
+        save(ctx, packed, label=SOFTMAX_OUTPUT)
         attach_codes(y, packed)  # attn @ v saves the same map: it reuses these codes
         return y
 

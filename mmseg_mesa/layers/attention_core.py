@@ -1,0 +1,254 @@
+"""Attention whose maps are never stored: backward recomputes them from 8-bit q, k and v.
+
+``softmax(q k^T [* scale] [+ relative position bias] [+ mask]) [dropout] @ v`` as one autograd
+Function. Its forward runs the very ops the attention modules run (same calls, same order, under
+the same autocast), so the output is bit-identical. For backward it keeps q, k and v at 8 bits,
+one group per head and channel (``H * d`` groups: attention operands have outlier channels that a
+per-head range would spread over every channel of the head), the relative position bias *table*
+(a Parameter: nothing extra), a mask as 1 bit per element when it holds two values (Swin's
+shifted windows, Twins' padding) and the 1-bit keep mask of attention dropout. Mesa itself keeps
+an 8-bit copy of every map: ``heads x N x N`` bytes per image and layer, quadratic in the tokens.
+
+Backward recomputes each map from the decoded q and k and renormalizes it with a softmax of the
+recomputed logits, by blocks of rows (``DECODE_CHUNK_BYTES`` of fp32 each), so no full map exists
+in backward either. Renormalizing matters: the logits' quantization error is exponentiated, and
+a forward row statistic (log-sum-exp) applied to recomputed logits leaves rows that do not sum to
+one, which on peaked rows costs more than the stored 8-bit map (docs/benchmarks.md, "Attention
+maps").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MesaConfig
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import PackedMask, load, save
+from .base import DECODE_CHUNK_BYTES, no_autocast_backward, record_input
+from .dropout import dropout_with_mask
+
+# The quantizers of a module that uses the Function (``MesaModule.mesa_quantizers``): q, k and v
+# viewed as (B, N, H * d), one group per head and channel.
+ATTENTION_QUANTIZERS = {'quant_attn_q': (-1, 1), 'quant_attn_k': (-1, 1),
+                        'quant_attn_v': (-1, 1)}
+
+
+def recomputes_maps(config: MesaConfig, mask: torch.Tensor | None, dropout_p: float) -> bool:
+    """Whether an attention converted under ``config`` uses ``MesaAttentionFunction`` for this
+    call: maps not asked to be stored, attention's matmuls and softmax both compressed, a
+    constant mask, a dropout rate that drops something but not everything (or none)."""
+    return (config.attention_maps == 'recompute' and {'matmul', 'softmax'} <= config.layers
+            and (mask is None or not mask.requires_grad) and 0.0 <= dropout_p < 1.0)
+
+
+def attention_dropout(dropout: nn.Module, training: bool) -> float | None:
+    """The rate of a module's attention dropout in this call (0 when it drops nothing), or
+    None when it is not an ``nn.Dropout`` the Function can reproduce."""
+    if not isinstance(dropout, nn.Dropout) or dropout.inplace:
+        return None
+    return dropout.p if training else 0.0
+
+
+@dataclass
+class CompactMask:
+    """An additive attention mask, kept exactly: 1 bit per element when it holds at most two
+    values (``low`` where the bit is clear), else the tensor itself."""
+
+    bits: PackedMask | None
+    low: torch.Tensor | None
+    high: torch.Tensor | None
+    full: torch.Tensor | None
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> CompactMask:
+        low, high = mask.amin(), mask.amax()
+        is_high = mask == high
+        if bool((is_high | (mask == low)).all()):
+            return cls(PackedMask.of(is_high), low, high, None)
+        return cls(None, None, None, mask)
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        if self.bits is None:
+            return (self.full,)
+        return (self.bits.data, self.low, self.high)
+
+    def restore(self) -> torch.Tensor:
+        if self.bits is None:
+            return self.full
+        return torch.where(self.bits.unpack(), self.high, self.low)
+
+
+def pack_heads(x: torch.Tensor, quantizer: ActivationQuantizer) -> Any:
+    """Pack a ``(B, H, N, d)`` attention operand with one group per head and channel."""
+    batch, heads, tokens, dim = x.shape
+    rows = x.detach().transpose(1, 2).reshape(batch, tokens, heads * dim)
+    return quantizer.pack(rows)
+
+
+def unpack_heads(packed: Any, heads: int) -> torch.Tensor:
+    """The fp32 ``(B, H, N, d)`` operand ``pack_heads`` packed."""
+    rows = unpack(packed, torch.float32)
+    batch, tokens, channels = rows.shape
+    return rows.view(batch, tokens, heads, channels // heads).transpose(1, 2)
+
+
+def relative_bias(table: torch.Tensor, index: torch.Tensor, queries: int, keys: int
+                  ) -> torch.Tensor:
+    """``table[index].view(N, M, H).permute(2, 0, 1)``: Swin's and BEiT's per-head bias."""
+    return table[index.view(-1)].view(queries, keys, -1).permute(2, 0, 1)
+
+
+def add_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``scores`` (B, H, N, M) plus a mask of shape (Bb, Hb, N, M) whose batch index is
+    ``b % Bb`` (Swin's windows, Twins' groups), as the modules add it."""
+    batch, heads, queries, keys = scores.shape
+    groups = mask.shape[0]
+    return (scores.view(batch // groups, groups, heads, queries, keys)
+            + mask.unsqueeze(0)).view(batch, heads, queries, keys)
+
+
+def _row_blocks(batch: int, heads: int, queries: int, keys: int) -> list[tuple[slice, slice]]:
+    """Blocks of (images, query rows) whose fp32 map slice stays under ``DECODE_CHUNK_BYTES``."""
+    per_image = heads * queries * keys * 4
+    if per_image <= DECODE_CHUNK_BYTES:
+        step = max(1, DECODE_CHUNK_BYTES // per_image)
+        return [(slice(b, min(b + step, batch)), slice(None)) for b in range(0, batch, step)]
+    rows = max(1, DECODE_CHUNK_BYTES // (heads * keys * 4))
+    return [(slice(b, b + 1), slice(r, min(r + rows, queries)))
+            for b in range(batch) for r in range(0, queries, rows)]
+
+
+class MesaAttentionFunction(torch.autograd.Function):
+    """``(softmax(q @ k^T [* score_scale] [+ bias] [+ mask]) [dropout]) @ v``.
+
+    Args (of ``apply``):
+        q, k, v: ``(B, H, N, d)``, ``(B, H, M, d)``, ``(B, H, M, dv)`` (any strides); q as the
+            module scales it before the product, if it does.
+        table, index: the relative position bias table ``(T, H)`` and its index buffer
+            (``N * M`` entries), or None.
+        mask: a constant additive mask ``(Bb, Hb, N, M)`` (see ``add_mask``), or None.
+        score_scale: a factor the module applies to ``q @ k^T`` (Twins), or None.
+        dropout_p: attention dropout in a training step (0 for none).
+        need_map: also return the (dropped-out) map, as ``nn.MultiheadAttention`` does.
+        quantizers: the three ``ActivationQuantizer`` of q, k and v.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                table: torch.Tensor | None, index: torch.Tensor | None,
+                mask: torch.Tensor | None, score_scale: float | None, dropout_p: float,
+                need_map: bool, quantizers: tuple[ActivationQuantizer, ...]) -> Any:
+        record_input(ctx, q)
+        ctx.set_materialize_grads(False)
+        queries, keys = q.shape[-2], k.shape[-2]
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        if score_scale is not None:
+            scores = scores * score_scale
+        if table is not None:
+            scores = scores + relative_bias(table, index, queries, keys).unsqueeze(0)
+        if mask is not None:
+            scores = add_mask(scores, mask)
+        attn = F.softmax(scores, dim=-1)
+        del scores
+        keep = None
+        if dropout_p > 0.0:
+            attn, keep = dropout_with_mask(attn, dropout_p)
+        out = torch.matmul(attn, v)
+        ctx.meta = (q.dtype, k.dtype, v.dtype, table.dtype if table is not None else None,
+                    q.shape[1], score_scale, dropout_p, queries, keys)
+        ctx.has_mask = mask is not None
+        ctx.has_keep = keep is not None
+        packed = [pack_heads(x, quant) for x, quant in zip((q, k, v), quantizers)]
+        compact = CompactMask.of(mask.detach()) if mask is not None else None
+        save(ctx, *packed, table, index, *(compact.tensors() if compact else ()),
+             PackedMask.of(keep) if keep is not None else None)
+        ctx.compact = None if compact is None else (compact.bits is not None)
+        if compact is not None and compact.bits is not None:
+            ctx.mask_shape = compact.bits.shape
+        if not need_map:
+            return out
+        return out, attn
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad_out: torch.Tensor | None, grad_map: torch.Tensor | None = None
+                 ) -> tuple:
+        q_dtype, k_dtype, v_dtype, table_dtype, heads, score_scale, dropout_p, queries, keys = \
+            ctx.meta
+        items = load(ctx)
+        packed_q, packed_k, packed_v, table, index = items[:5]
+        rest = items[5:]
+        mask = None
+        if ctx.has_mask:
+            if ctx.compact:
+                bits, low, high = rest[:3]
+                mask = torch.where(PackedMask(bits, ctx.mask_shape).unpack(), high, low)
+                rest = rest[3:]
+            else:
+                mask, rest = rest[0], rest[1:]
+        keep = rest[0].unpack() if ctx.has_keep else None
+        q, k, v = (unpack_heads(p, heads) for p in (packed_q, packed_k, packed_v))
+        batch = q.shape[0]
+        need_q, need_k, need_v, need_table = ctx.needs_input_grad[:4]
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if need_q else None
+        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device) if need_k else None
+        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device) if need_v else None
+        grad_table = None
+        if table is not None:
+            index = index.view(queries, keys)
+            if need_table:
+                grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+        if mask is not None:
+            mask = mask.float()
+        g = grad_out.float() if grad_out is not None else None
+        for images, rows in _row_blocks(batch, heads, queries, keys):
+            scores = torch.matmul(q[images, :, rows], k[images].transpose(-2, -1))
+            if score_scale is not None:
+                scores.mul_(score_scale)
+            if table is not None:
+                scores.add_(table[index[rows]].permute(2, 0, 1).float())
+            if mask is not None:
+                groups = mask.shape[0]
+                ids = torch.arange(images.start, images.stop, device=mask.device) % groups
+                part = mask[ids]
+                scores.add_(part if part.shape[2] == 1 else part[:, :, rows])
+            attn = torch.softmax(scores, dim=-1)
+            del scores
+            if g is not None:
+                grad_attn = torch.matmul(g[images, :, rows], v[images].transpose(-2, -1))
+            else:
+                grad_attn = torch.zeros_like(attn)
+            if grad_map is not None:
+                grad_attn.add_(grad_map[images, :, rows].float())
+            dropped = attn
+            if keep is not None:
+                scale = keep[images, :, rows].float().div_(1.0 - dropout_p)
+                dropped = attn * scale
+                grad_attn.mul_(scale)
+                del scale
+            if grad_v is not None and g is not None:
+                grad_v[images] += torch.matmul(dropped.transpose(-2, -1), g[images, :, rows])
+            del dropped
+            # softmax backward in place: attn * (dP - sum(dP * attn))
+            grad_scores = grad_attn.sub_((grad_attn * attn).sum(-1, keepdim=True)).mul_(attn)
+            del attn
+            if grad_table is not None:
+                grad_table.index_add_(0, index[rows].reshape(-1),
+                                      grad_scores.sum(0).permute(1, 2, 0).reshape(-1, heads))
+            if score_scale is not None:
+                grad_scores.mul_(score_scale)
+            if grad_q is not None:
+                grad_q[images, :, rows] = torch.matmul(grad_scores, k[images])
+            if grad_k is not None:
+                grad_k[images] += torch.matmul(grad_scores.transpose(-2, -1), q[images, :, rows])
+            del grad_scores
+        if grad_table is not None:
+            grad_table = grad_table.to(table_dtype)
+        return (grad_q.to(q_dtype) if grad_q is not None else None,
+                grad_k.to(k_dtype) if grad_k is not None else None,
+                grad_v.to(v_dtype) if grad_v is not None else None,
+                grad_table, None, None, None, None, None, None)
