@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .saved import SOFTMAX_OUTPUT, current_label
+from .saved import SOFTMAX_OUTPUT, saved_label
 
 
 @dataclass
@@ -85,7 +85,7 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
                 nbytes = t.untyped_storage().nbytes()
                 qualified, name = stack[-1] if stack else ('<functional>', '<functional>')
                 report.total_bytes += nbytes
-                if current_label() == SOFTMAX_OUTPUT or \
+                if saved_label(t) == SOFTMAX_OUTPUT or \
                         type(t.grad_fn).__name__ == 'SoftmaxBackward0':
                     report.softmax_bytes += nbytes
                 report.by_type[name] += nbytes

@@ -34,15 +34,12 @@ class PackedMask:
 Saveable = torch.Tensor | Codes | PackedMask | None
 
 
-# What the tensors being saved are, while ``save`` saves them with a label (``memory``'s saved
-# bytes report counts attention maps by it).
-_LABELS: list[str] = []
 SOFTMAX_OUTPUT = 'softmax output'  # attention maps, among others
 
 
-def current_label() -> str | None:
-    """The label ``save`` is saving under now, or None."""
-    return _LABELS[-1] if _LABELS else None
+def saved_label(t: torch.Tensor) -> str | None:
+    """The label ``save`` gave ``t`` (what it is, for saved-bytes reports), or None."""
+    return getattr(t, '_mesa_label', None)
 
 
 def save(ctx: Any, *items: Saveable, label: str | None = None) -> None:
@@ -62,12 +59,12 @@ def save(ctx: Any, *items: Saveable, label: str | None = None) -> None:
             layout.append(('tensor', 1, None))
             flat.append(item)
     if label is not None:
-        _LABELS.append(label)
-    try:
-        ctx.save_for_backward(*flat)
-    finally:
-        if label is not None:
-            _LABELS.pop()
+        # autograd packs a custom Function's saved tensors after its forward returns, so the
+        # label travels on the tensors themselves
+        for t in flat:
+            if t is not None:
+                t._mesa_label = label  # type: ignore[attr-defined]
+    ctx.save_for_backward(*flat)
     ctx.mesa_layout = layout
 
 

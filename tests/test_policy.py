@@ -27,7 +27,9 @@ def quantizer(model, name):
 
 
 def test_every_preset_is_a_valid_config():
-    assert set(PRESETS) == {'paper', 'default', 'max-saving'}
+    assert set(PRESETS) == {'paper', 'default', 'max-saving', 'stored-maps'}
+    assert MesaConfig().attention_maps == 'recompute'
+    assert MesaConfig.preset('stored-maps') == MesaConfig(attention_maps='stored')
     assert MesaConfig.preset('default') == MesaConfig() == MesaConfig.from_cfg(True)
     assert MesaConfig.preset('paper').layers == MesaConfig().layers - {'loss'}
     assert MesaConfig.preset('paper').bits == 8
