@@ -84,8 +84,9 @@ class MesaConfig:
             training step takes the batch statistics as they are. Defaults to 0.9 (the paper's).
         stochastic_rounding: Round stochastically (unbiased) instead of to nearest.
             Defaults to True.
-        backend: ``'auto'`` uses the compiled CUDA kernels for CUDA tensors when they are built,
-            ``'cuda'`` requires them, ``'torch'`` always uses the pure-PyTorch reference.
+        backend: ``'auto'`` uses the compiled kernels of the tensor's device (CPU or CUDA)
+            when they are built, ``'cuda'`` requires the CUDA kernels (and CUDA tensors),
+            ``'torch'`` always uses the pure-PyTorch reference; all give the same codes.
             Defaults to ``'auto'``.
         layers: Layer types to compress, a subset of ``LAYER_TYPES``; ``'loss'`` makes decode
             heads keep only their low-resolution logits for the loss (exact recomputation, no
