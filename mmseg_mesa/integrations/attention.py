@@ -172,9 +172,10 @@ def map_free_reason(module: nn.Module, config: MesaConfig) -> str | None:
         return f"attention_maps={config.attention_maps!r}"
     if not {'matmul', 'softmax'} <= config.layers:
         return "'matmul' or 'softmax' is not among the compressed layer types"
-    if attention_dropout(module.attn_drop, True) is None:
+    rate = attention_dropout(module.attn_drop, True)
+    if rate is None:
         return f'attn_drop is a {type(module.attn_drop).__name__}, not an nn.Dropout'
-    if attention_dropout(module.attn_drop, True) >= 1.0:
+    if rate >= 1.0:
         return 'attn_drop drops everything'
     return None
 

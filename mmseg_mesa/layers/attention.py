@@ -159,8 +159,8 @@ class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
         if recomputes_maps(self.mesa_config, attn_mask, dropout_p):
             mask = None
             if attn_mask is not None:  # (1 or B*H, 1 or L, S) -> (1 or B, 1 or H, ., S)
-                mask = attn_mask.view(-1 if attn_mask.shape[0] == 1 else bsz,
-                                      1 if attn_mask.shape[0] == 1 else heads,
+                shared = attn_mask.shape[0] == 1
+                mask = attn_mask.view(1 if shared else bsz, 1 if shared else heads,
                                       *attn_mask.shape[1:])
             result = MesaAttentionFunction.apply(
                 q_scaled.view(bsz, heads, tgt_len, head_dim),

@@ -56,7 +56,7 @@ def attention_dropout(dropout: nn.Module, training: bool) -> float | None:
 @dataclass
 class CompactMask:
     """An additive attention mask, kept exactly: 1 bit per element when it holds at most two
-    values (``low`` where the bit is clear), else the tensor itself."""
+    values (``low`` where the bit is clear), else the tensor itself (``NO_MASK``: none)."""
 
     bits: PackedMask | None
     low: torch.Tensor | None
@@ -71,15 +71,13 @@ class CompactMask:
             return cls(PackedMask.of(is_high), low, high, None)
         return cls(None, None, None, mask)
 
-    def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        if self.bits is None:
-            return (self.full,)
-        return (self.bits.data, self.low, self.high)
-
-    def restore(self) -> torch.Tensor:
+    def restore(self) -> torch.Tensor | None:
         if self.bits is None:
             return self.full
         return torch.where(self.bits.unpack(), self.high, self.low)
+
+
+NO_MASK = CompactMask(None, None, None, None)
 
 
 def pack_heads(x: torch.Tensor, quantizer: ActivationQuantizer) -> Any:
@@ -160,15 +158,10 @@ class MesaAttentionFunction(torch.autograd.Function):
         out = torch.matmul(attn, v)
         ctx.meta = (q.dtype, k.dtype, v.dtype, table.dtype if table is not None else None,
                     q.shape[1], score_scale, dropout_p, queries, keys)
-        ctx.has_mask = mask is not None
-        ctx.has_keep = keep is not None
         packed = [pack_heads(x, quant) for x, quant in zip((q, k, v), quantizers)]
-        compact = CompactMask.of(mask.detach()) if mask is not None else None
-        save(ctx, *packed, table, index, *(compact.tensors() if compact else ()),
+        compact = CompactMask.of(mask.detach()) if mask is not None else NO_MASK
+        save(ctx, *packed, table, index, compact.bits, compact.low, compact.high, compact.full,
              PackedMask.of(keep) if keep is not None else None)
-        ctx.compact = None if compact is None else (compact.bits is not None)
-        if compact is not None and compact.bits is not None:
-            ctx.mask_shape = compact.bits.shape
         if not need_map:
             return out
         return out, attn
@@ -179,18 +172,9 @@ class MesaAttentionFunction(torch.autograd.Function):
                  ) -> tuple:
         q_dtype, k_dtype, v_dtype, table_dtype, heads, score_scale, dropout_p, queries, keys = \
             ctx.meta
-        items = load(ctx)
-        packed_q, packed_k, packed_v, table, index = items[:5]
-        rest = items[5:]
-        mask = None
-        if ctx.has_mask:
-            if ctx.compact:
-                bits, low, high = rest[:3]
-                mask = torch.where(PackedMask(bits, ctx.mask_shape).unpack(), high, low)
-                rest = rest[3:]
-            else:
-                mask, rest = rest[0], rest[1:]
-        keep = rest[0].unpack() if ctx.has_keep else None
+        packed_q, packed_k, packed_v, table, index, bits, low, high, full, keep = load(ctx)
+        mask = CompactMask(bits, low, high, full).restore()
+        keep = keep.unpack() if keep is not None else None
         q, k, v = (unpack_heads(p, heads) for p in (packed_q, packed_k, packed_v))
         batch = q.shape[0]
         need_q, need_k, need_v, need_table = ctx.needs_input_grad[:4]
