@@ -90,7 +90,8 @@ class MesaConfig:
             Defaults to ``'auto'``.
         layers: Layer types to compress, a subset of ``LAYER_TYPES``; ``'loss'`` makes decode
             heads keep only their low-resolution logits for the loss (exact recomputation, no
-            quantization) and UPerHead fuse its FPN outputs without holding them twice.
+            quantization), UPerHead fuse its FPN outputs without holding them twice and drop
+            the feature levels it has read (through ``EncoderDecoder``).
             Defaults to all of them.
         skip: ``fnmatch`` patterns of qualified module names left unconverted. Defaults to ().
         compressor: ``'mesa'`` (the ``bits``-bit quantizer) or ``'division'`` (DIVISION's

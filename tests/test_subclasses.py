@@ -91,6 +91,29 @@ class LossOf(nn.Module):
         return tuple(losses[k] for k in sorted(losses))
 
 
+class SegmentorLoss(LossOf):
+    """Runs a segmentor's ``loss`` (what its Mesa class replaces) on 32x32 images."""
+
+    def forward(self, images):
+        losses = self.head.loss(images, seg_samples(len(images), images.shape[-1]))
+        return tuple(losses[k] for k in sorted(losses))
+
+
+def segmentor(cls):
+    """A small UPerNet of ``cls``: ResNet-18 with 8 base channels and an FCN auxiliary head."""
+    from mmseg.utils import register_all_modules
+    register_all_modules()
+    channels = [8, 16, 32, 64]
+    norm = dict(type='BN', requires_grad=True)
+    return SegmentorLoss(cls(
+        backbone=dict(type='ResNetV1c', depth=18, stem_channels=8, base_channels=8,
+                      norm_cfg=norm),
+        decode_head=dict(type='UPerHead', in_channels=channels, in_index=[0, 1, 2, 3],
+                         channels=8, num_classes=3, norm_cfg=norm),
+        auxiliary_head=dict(type='FCNHead', in_channels=32, in_index=2, channels=8,
+                            num_convs=1, num_classes=3, norm_cfg=norm)))
+
+
 def decode_head(cls):
     """A head of ``cls`` with the attributes ``loss_by_feat`` reads (all set by
     ``BaseDecodeHead.__init__``); heads whose constructor needs more than the base's arguments
@@ -132,6 +155,7 @@ FAMILIES = {
     'Softmax': (lambda c: c(dim=-1), lambda: [torch.randn(2, 3, 5, 5)]),
     'PReLU': (lambda c: c(4), lambda: [torch.randn(2, 4, 5, 3)]),
     'BaseDecodeHead': (decode_head, lambda: [torch.randn(2, 3, 4, 4)]),
+    'EncoderDecoder': (segmentor, lambda: [torch.randn(2, 3, 32, 32)]),
 }
 ACTIVATIONS = ('GELU', 'ReLU', 'ReLU6', 'Hardtanh', 'LeakyReLU', 'SiLU', 'Hardswish',
                'Hardsigmoid', 'Sigmoid', 'Tanh', 'ELU')

@@ -16,10 +16,12 @@ def register_openmmlab_handlers() -> None:
     from mmseg.models.decode_heads.decode_head import BaseDecodeHead
     from mmseg.models.decode_heads.knet_head import KernelUpdator
     from mmseg.models.decode_heads.uper_head import UPerHead
+    from mmseg.models.segmentors.encoder_decoder import EncoderDecoder
 
     from .attention import MesaWindowMSA
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .modules import MesaDecodeHead, MesaDropPath
+    from .segmentor import MesaEncoderDecoder
     from .uper_head import MesaUPerHead
 
     # mmcv's wrappers override forward only to special-case empty inputs on torch < 1.9
@@ -44,6 +46,11 @@ def register_openmmlab_handlers() -> None:
     # _forward_feature falls back to the BaseDecodeHead handler above.
     register_handler(UPerHead, 'loss', swap_to(MesaUPerHead),
                      replaces=('loss_by_feat', '_forward_feature'))
+    # The segmentor lets UPerHead drop the feature levels it has read. A segmentor that hands
+    # its features to its heads in its own way (CascadeEncoderDecoder) is left.
+    register_handler(EncoderDecoder, 'loss', swap_to(MesaEncoderDecoder),
+                     replaces=('loss', '_decode_head_forward_train',
+                               '_auxiliary_head_forward_train'))
 
 
 def convert_kernel_updator(module: nn.Module, config: MesaConfig) -> None:

@@ -8,7 +8,8 @@ buffer as soon as it exists and drops the laterals once they are used. The buffe
 what ``torch.cat`` returns and the gradients are the same slices, so forward and backward are
 unchanged. The buffer is freed once the bottleneck conv has run (``releasing_input``), and that
 conv saves it as the codes of the FPN outputs before upsampling (``FusedCodes``) when it is a
-converted layer.
+converted layer. Given a ``FeatureList`` (``MesaEncoderDecoder``), it also drops each input level
+once its lateral conv has read it.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..layers.base import make_quantizer
 from ..layers.conv import MesaConv2d
 from ..quantizer import ActivationQuantizer, Packed, attach_codes, sample_range, unpack
 from .modules import MesaDecodeHead
+from .segmentor import FeatureList
 
 
 class WriteChannels(torch.autograd.Function):
@@ -214,9 +216,16 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
         if not self.mesa_active(*inputs):
             return super()._forward_feature(inputs)
         # The steps of UPerHead._forward_feature (mmseg 1.2.2), in its order.
-        inputs = self._transform_inputs(inputs)
-        laterals = [conv(inputs[i]) for i, conv in enumerate(self.lateral_convs)]
-        laterals.append(self.psp_forward(inputs))
+        features = self._transform_inputs(inputs)
+        if isinstance(inputs, FeatureList):
+            inputs.release(self.in_index)  # ours now hold them, and let go of each once read
+        del inputs
+        laterals = []
+        for i, conv in enumerate(self.lateral_convs):
+            laterals.append(conv(features[i]))
+            features[i] = None
+        laterals.append(self.psp_forward(features))
+        del features
         levels = len(laterals)
         for i in range(levels - 1, 0, -1):
             laterals[i - 1] = laterals[i - 1] + resize(
