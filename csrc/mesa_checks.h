@@ -91,6 +91,20 @@ inline void check_activation(const char* op, const at::Tensor& x, c10::DeviceTyp
 
 namespace mmseg_mesa {
 
+// Validates observe's arguments and returns the layout of x.
+inline GroupLayout check_observe_args(const char* op, const at::Tensor& x,
+                                      const at::Tensor& lower, const at::Tensor& span,
+                                      const at::Tensor& seen, int64_t group_dim,
+                                      int64_t group_size, double decay, c10::DeviceType device) {
+  check_activation(op, x, device);
+  const GroupLayout layout = group_layout(op, x.sizes(), group_dim, group_size);
+  check_group_vector(op, "lower", lower, x, layout, at::kFloat);
+  check_group_vector(op, "span", span, x, layout, at::kFloat);
+  check_group_vector(op, "seen", seen, x, layout, at::kBool);
+  TORCH_CHECK(decay >= 0.0 && decay <= 1.0, op, ": decay must be in [0, 1], got ", decay);
+  return layout;
+}
+
 // Validates quantize's arguments and returns the layout of x. Codes of any width up to 8 bits
 // fit one per byte; packing needs a width that divides 8.
 inline GroupLayout check_quantize_args(const char* op, const at::Tensor& x,

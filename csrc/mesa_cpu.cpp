@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace mmseg_mesa {
@@ -20,52 +21,217 @@ constexpr int64_t kGrainElements = 1 << 15;
 
 // Per-channel min/max over finite values of one task's share of the tensor, merged into `lo` /
 // `hi` (channels entries each). The tensor is (outer, channels, inner); the task covers rows
-// [first, last) of the (outer * channels, inner) view, i.e. runs of one channel each.
+// [first, last) of the (outer * channels, inner) view, i.e. runs of one channel each. A
+// non-finite value enters as +inf to the min and -inf to the max, which changes neither; a run
+// is reduced in kMinMaxLanes independent lanes, so that the loops vectorize.
+constexpr int kMinMaxLanes = 16;
+
 template <typename scalar_t>
-void channel_min_max(const scalar_t* x, const GroupLayout& layout, int64_t first, int64_t last,
-                     float* lo, float* hi) {
+void channel_min_max(const scalar_t* __restrict x, const GroupLayout& layout, int64_t first,
+                     int64_t last, float* __restrict lo, float* __restrict hi) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t channels = layout.channels;
   if (layout.inner == 1) {  // channels last: element-wise over whole rows of channels
     int64_t run = first;
     while (run < last) {
       const int64_t c0 = run % channels;
       const int64_t c1 = std::min<int64_t>(channels, c0 + (last - run));
-      const scalar_t* row = x + run;
+      const scalar_t* row = x + run - c0;
       for (int64_t c = c0; c < c1; ++c) {
-        const scalar_t v = row[c - c0];
-        const float f = static_cast<float>(v);
+        const scalar_t v = row[c];
         const bool finite = is_finite_bits(v);
-        lo[c] = finite && f < lo[c] ? f : lo[c];
-        hi[c] = finite && f > hi[c] ? f : hi[c];
+        const float f = static_cast<float>(v);
+        const float for_lo = finite ? f : kInf;
+        const float for_hi = finite ? f : -kInf;
+        lo[c] = for_lo < lo[c] ? for_lo : lo[c];
+        hi[c] = for_hi > hi[c] ? for_hi : hi[c];
       }
       run += c1 - c0;
     }
     return;
   }
+  const int64_t inner = layout.inner;
+  const int64_t whole = inner - inner % kMinMaxLanes;
   int64_t c = first % channels;
   for (int64_t run = first; run < last; ++run) {
-    const scalar_t* values = x + run * layout.inner;
-    float l = lo[c];
-    float h = hi[c];
-    for (int64_t k = 0; k < layout.inner; ++k) {
-      const scalar_t v = values[k];
-      const float f = static_cast<float>(v);
-      const bool finite = is_finite_bits(v);
-      l = finite && f < l ? f : l;
-      h = finite && f > h ? f : h;
+    const scalar_t* values = x + run * inner;
+    float l[kMinMaxLanes], h[kMinMaxLanes];
+    for (int j = 0; j < kMinMaxLanes; ++j) {
+      l[j] = kInf;
+      h[j] = -kInf;
     }
-    lo[c] = l;
-    hi[c] = h;
+    for (int64_t k = 0; k < whole; k += kMinMaxLanes) {
+      for (int j = 0; j < kMinMaxLanes; ++j) {
+        const scalar_t v = values[k + j];
+        const bool finite = is_finite_bits(v);
+        const float f = static_cast<float>(v);
+        const float for_lo = finite ? f : kInf;
+        const float for_hi = finite ? f : -kInf;
+        l[j] = for_lo < l[j] ? for_lo : l[j];
+        h[j] = for_hi > h[j] ? for_hi : h[j];
+      }
+    }
+    float run_lo = lo[c];
+    float run_hi = hi[c];
+    for (int64_t k = whole; k < inner; ++k) {
+      const scalar_t v = values[k];
+      const bool finite = is_finite_bits(v);
+      const float f = static_cast<float>(v);
+      run_lo = finite && f < run_lo ? f : run_lo;
+      run_hi = finite && f > run_hi ? f : run_hi;
+    }
+    for (int j = 0; j < kMinMaxLanes; ++j) {
+      run_lo = l[j] < run_lo ? l[j] : run_lo;
+      run_hi = h[j] > run_hi ? h[j] : run_hi;
+    }
+    lo[c] = run_lo;
+    hi[c] = run_hi;
     if (++c == channels) {
       c = 0;
     }
   }
 }
 
+// Where the one-byte-per-code loops find each element's group (quantize without bit packing,
+// dequantize of 8-bit codes): a constant run, or a repeating pattern of per-element values.
+//
+// With `inner` >= kMinRun each channel's run of `inner` elements is one group's, and the loop
+// body sees one lower / scale. Below that (a channel-last layout has inner == 1), the per-element
+// lower and scale of one (channels * inner) period are expanded once per call, repeated to at
+// least kMinPattern elements, and read alongside the data. Both leave the element loops free of
+// index arithmetic, so that the compiler vectorizes them; each element still goes through
+// mesa_numerics.h's encode / decode.
+constexpr int64_t kMinRun = 16;
+constexpr int64_t kMinPattern = 1024;
+// Elements per stochastic-rounding tile: the Philox draws of a tile are made before its codes.
+constexpr int64_t kTile = 512;
+
+struct GroupPattern {
+  bool runs;               // one group per channel run
+  int64_t period;          // pattern length (runs == false)
+  std::vector<float> lower;
+  std::vector<float> scale;
+
+  GroupPattern(const GroupLayout& layout, const float* lower_g, const float* scale_g)
+      : runs(layout.inner >= kMinRun), period(0) {
+    if (runs) {
+      return;
+    }
+    const int64_t base = layout.channels * layout.inner;
+    const int64_t repeats = std::max<int64_t>(1, (kMinPattern + base - 1) / base);
+    period = base * repeats;
+    lower.resize(period);
+    scale.resize(period);
+    for (int64_t i = 0; i < period; ++i) {
+      const int64_t group = ((i % base) / layout.inner) / layout.group_size;
+      lower[i] = lower_g[group];
+      scale[i] = scale_g[group];
+    }
+  }
+};
+
+// Calls body(position, count, lower, scale, stride) over [first, last): `count` elements from
+// flat index `position` whose lower / scale are lower[j * stride], scale[j * stride].
+template <typename Body>
+void for_each_span(const GroupLayout& layout, const GroupPattern& pattern, const float* lower_g,
+                   const float* scale_g, int64_t first, int64_t last, Body&& body) {
+  int64_t position = first;
+  while (position < last) {
+    int64_t count;
+    if (pattern.runs) {
+      const int64_t run = position / layout.inner;
+      const int64_t group = (run % layout.channels) / layout.group_size;
+      count = std::min((run + 1) * layout.inner, last) - position;
+      body(position, count, lower_g + group, scale_g + group, std::false_type{});
+    } else {
+      const int64_t at = position % pattern.period;
+      count = std::min(pattern.period - at, last - position);
+      body(position, count, pattern.lower.data() + at, pattern.scale.data() + at,
+           std::true_type{});
+    }
+    position += count;
+  }
+}
+
+// Philox blocks drawn together by tile_uniforms (philox4x32_10_lanes).
+constexpr int kLanes = 4;
+
+// noise[j] = the uniform of flat index begin + j, for j < count <= kTile; `buffer` holds
+// kTile + 4 * kLanes floats. The draws are rounding_block's, kLanes blocks at a time.
+inline const float* tile_uniforms(uint64_t seed, uint64_t offset, int64_t begin, int64_t count,
+                                  float* buffer) {
+  const uint64_t first = static_cast<uint64_t>(begin) >> 2;
+  const uint64_t blocks = ((static_cast<uint64_t>(begin + count) + 3) >> 2) - first;
+  const uint32_t key0 = static_cast<uint32_t>(seed);
+  const uint32_t key1 = static_cast<uint32_t>(seed >> 32);
+  for (uint64_t b = 0; b < blocks; b += kLanes) {
+    uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+    for (int l = 0; l < kLanes; ++l) {
+      const uint64_t counter = offset + first + b + l;
+      c0[l] = static_cast<uint32_t>(counter);
+      c1[l] = static_cast<uint32_t>(counter >> 32);
+      c2[l] = 0u;
+      c3[l] = 0u;
+    }
+    philox4x32_10_lanes<kLanes>(c0, c1, c2, c3, key0, key1);
+    float* out = buffer + 4 * b;
+    for (int l = 0; l < kLanes; ++l) {
+      out[4 * l + 0] = unit_uniform(c0[l]);
+      out[4 * l + 1] = unit_uniform(c1[l]);
+      out[4 * l + 2] = unit_uniform(c2[l]);
+      out[4 * l + 3] = unit_uniform(c3[l]);
+    }
+  }
+  return buffer + (begin & 3);
+}
+
+template <typename scalar_t, bool kStochastic, bool kPerElement>
+void encode_span(const scalar_t* x, int64_t count, const float* lower, const float* scale,
+                 float levels, const float* noise, uint8_t* out) {
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t g = kPerElement ? j : 0;
+    out[j] = encode<kStochastic>(static_cast<float>(x[j]), lower[g], scale[g], levels,
+                                 kStochastic ? noise[j] : 0.0f);
+  }
+}
+
+template <typename scalar_t, bool kPerElement>
+void decode_span(const uint8_t* codes, int64_t count, const float* lower, const float* scale,
+                 scalar_t* out) {
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t g = kPerElement ? j : 0;
+    out[j] = static_cast<scalar_t>(decode(codes[j], lower[g], scale[g]));
+  }
+}
+
+// Codes one per byte (8-bit codes, or sub-byte ones left unpacked).
 template <typename scalar_t, bool kStochastic>
-void quantize_loop(const scalar_t* x, const float* lower, const float* scale, uint8_t* out,
-                   const GroupLayout& layout, int bits, bool pack, float levels, uint64_t seed,
-                   uint64_t offset) {
+void quantize_bytes(const scalar_t* x, const float* lower, const float* scale, uint8_t* out,
+                    const GroupLayout& layout, float levels, uint64_t seed, uint64_t offset) {
+  const GroupPattern pattern(layout, lower, scale);
+  at::parallel_for(0, layout.numel, kGrainElements, [&](int64_t first, int64_t last) {
+    float buffer[kTile + 4 * kLanes];
+    for_each_span(layout, pattern, lower, scale, first, last,
+                  [&](int64_t position, int64_t count, const float* lo, const float* sc,
+                      auto per_element) {
+      constexpr bool kPer = decltype(per_element)::value;
+      for (int64_t t = 0; t < count; t += kTile) {
+        const int64_t n = std::min(kTile, count - t);
+        const float* noise =
+            kStochastic ? tile_uniforms(seed, offset, position + t, n, buffer) : nullptr;
+        encode_span<scalar_t, kStochastic, kPer>(x + position + t, n, kPer ? lo + t : lo,
+                                                 kPer ? sc + t : sc, levels, noise,
+                                                 out + position + t);
+      }
+    });
+  });
+}
+
+// Bit-packed codes: a chunk of kChunk codes fills `bits` whole bytes.
+template <typename scalar_t, bool kStochastic>
+void quantize_packed(const scalar_t* x, const float* lower, const float* scale, uint8_t* out,
+                     const GroupLayout& layout, int bits, float levels, uint64_t seed,
+                     uint64_t offset) {
   const int64_t chunks = (layout.numel + kChunk - 1) / kChunk;
   at::parallel_for(0, chunks, kGrainElements / kChunk, [&](int64_t first, int64_t last) {
     GroupCursor cursor(layout, first * kChunk);
@@ -79,20 +245,40 @@ void quantize_loop(const scalar_t* x, const float* lower, const float* scale, ui
       uint8_t codes[kChunk];
       encode_chunk<kStochastic>(values, begin, count, cursor, layout, lower, scale, levels, seed,
                                 offset, codes);
-      if (!pack || bits == 8) {
-        std::memcpy(out + begin, codes, count);
-      } else {
-        uint8_t bytes[kChunk];
-        pack_chunk(codes, bits, bytes);
-        std::memcpy(out + chunk * bits, bytes, chunk_bytes(count, bits));
-      }
+      uint8_t bytes[kChunk];
+      pack_chunk(codes, bits, bytes);
+      std::memcpy(out + chunk * bits, bytes, chunk_bytes(count, bits));
     }
   });
+}
+
+template <typename scalar_t, bool kStochastic>
+void quantize_loop(const scalar_t* x, const float* lower, const float* scale, uint8_t* out,
+                   const GroupLayout& layout, int bits, bool pack, float levels, uint64_t seed,
+                   uint64_t offset) {
+  if (!pack || bits == 8) {
+    quantize_bytes<scalar_t, kStochastic>(x, lower, scale, out, layout, levels, seed, offset);
+  } else {
+    quantize_packed<scalar_t, kStochastic>(x, lower, scale, out, layout, bits, levels, seed,
+                                           offset);
+  }
 }
 
 template <typename scalar_t>
 void dequantize_loop(const uint8_t* in, const float* lower, const float* scale, scalar_t* out,
                      const GroupLayout& layout, int bits) {
+  if (bits == 8) {
+    const GroupPattern pattern(layout, lower, scale);
+    at::parallel_for(0, layout.numel, kGrainElements, [&](int64_t first, int64_t last) {
+      for_each_span(layout, pattern, lower, scale, first, last,
+                    [&](int64_t position, int64_t count, const float* lo, const float* sc,
+                        auto per_element) {
+        decode_span<scalar_t, decltype(per_element)::value>(in + position, count, lo, sc,
+                                                            out + position);
+      });
+    });
+    return;
+  }
   const int64_t chunks = (layout.numel + kChunk - 1) / kChunk;
   at::parallel_for(0, chunks, kGrainElements / kChunk, [&](int64_t first, int64_t last) {
     GroupCursor cursor(layout, first * kChunk);
@@ -100,13 +286,9 @@ void dequantize_loop(const uint8_t* in, const float* lower, const float* scale, 
       const int64_t begin = chunk * kChunk;
       const int count = static_cast<int>(std::min<int64_t>(kChunk, layout.numel - begin));
       uint8_t codes[kChunk] = {};
-      if (bits == 8) {
-        std::memcpy(codes, in + begin, count);
-      } else {
-        uint8_t bytes[kChunk] = {};
-        std::memcpy(bytes, in + chunk * bits, chunk_bytes(count, bits));
-        unpack_chunk(bytes, bits, codes);
-      }
+      uint8_t bytes[kChunk] = {};
+      std::memcpy(bytes, in + chunk * bits, chunk_bytes(count, bits));
+      unpack_chunk(bytes, bits, codes);
       float values[kChunk];
       decode_chunk(codes, count, cursor, layout, lower, scale, values);
       for (int j = 0; j < count; ++j) {
@@ -122,12 +304,8 @@ at::Tensor observe_cpu(const at::Tensor& x, const at::Tensor& lower, const at::T
                        const at::Tensor& seen, int64_t group_dim, int64_t group_size,
                        double decay) {
   constexpr const char* op = "mmseg_mesa::observe";
-  check_activation(op, x, c10::DeviceType::CPU);
-  const GroupLayout layout = group_layout(op, x.sizes(), group_dim, group_size);
-  check_group_vector(op, "lower", lower, x, layout, at::kFloat);
-  check_group_vector(op, "span", span, x, layout, at::kFloat);
-  check_group_vector(op, "seen", seen, x, layout, at::kBool);
-  TORCH_CHECK(decay >= 0.0 && decay <= 1.0, op, ": decay must be in [0, 1], got ", decay);
+  const GroupLayout layout = check_observe_args(op, x, lower, span, seen, group_dim, group_size,
+                                                decay, c10::DeviceType::CPU);
   const at::Tensor cover = at::empty({2, layout.groups}, lower.options());
   if (layout.numel == 0) {  // nothing observed: the running range as it is
     cover.select(0, 0).copy_(lower);

@@ -241,12 +241,8 @@ at::Tensor observe_cuda(const at::Tensor& x, const at::Tensor& lower, const at::
                         const at::Tensor& seen, int64_t group_dim, int64_t group_size,
                         double decay) {
   constexpr const char* op = "mmseg_mesa::observe";
-  check_activation(op, x, c10::DeviceType::CUDA);
-  const GroupLayout layout = group_layout(op, x.sizes(), group_dim, group_size);
-  check_group_vector(op, "lower", lower, x, layout, at::kFloat);
-  check_group_vector(op, "span", span, x, layout, at::kFloat);
-  check_group_vector(op, "seen", seen, x, layout, at::kBool);
-  TORCH_CHECK(decay >= 0.0 && decay <= 1.0, op, ": decay must be in [0, 1], got ", decay);
+  const GroupLayout layout = check_observe_args(op, x, lower, span, seen, group_dim, group_size,
+                                                decay, c10::DeviceType::CUDA);
   const at::Tensor cover = at::empty({2, layout.groups}, lower.options());
   if (layout.numel == 0) {  // nothing observed: the running range as it is
     cover.select(0, 0).copy_(lower);

@@ -208,12 +208,16 @@ MESA_HD void mul_hi_lo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 #endif
 }
 
-MESA_HD PhiloxBlock philox4x32_10(PhiloxBlock counter, uint32_t key0, uint32_t key1) {
+// Ten Philox rounds on N counters at once, all under one key (the seed): lane l's counter is
+// (c0[l], c1[l], c2[l], c3[l]), replaced by its output block. The CUDA kernels run one lane per
+// thread; the CPU kernels run several in one loop, which keeps more multiplies in flight.
+template <int N>
+MESA_HD void philox4x32_10_lanes(uint32_t* c0, uint32_t* c1, uint32_t* c2, uint32_t* c3,
+                                 uint32_t key0, uint32_t key1) {
   constexpr uint32_t kMul0 = 0xD2511F53u;
   constexpr uint32_t kMul1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u;
   constexpr uint32_t kWeyl1 = 0xBB67AE85u;
-  uint32_t c0 = counter.w[0], c1 = counter.w[1], c2 = counter.w[2], c3 = counter.w[3];
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
@@ -222,16 +226,23 @@ MESA_HD PhiloxBlock philox4x32_10(PhiloxBlock counter, uint32_t key0, uint32_t k
       key0 += kWeyl0;
       key1 += kWeyl1;
     }
-    uint32_t hi0, lo0, hi1, lo1;
-    mul_hi_lo(kMul0, c0, hi0, lo0);
-    mul_hi_lo(kMul1, c2, hi1, lo1);
-    const uint32_t n0 = hi1 ^ c1 ^ key0;
-    const uint32_t n2 = hi0 ^ c3 ^ key1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
+    for (int l = 0; l < N; ++l) {
+      uint32_t hi0, lo0, hi1, lo1;
+      mul_hi_lo(kMul0, c0[l], hi0, lo0);
+      mul_hi_lo(kMul1, c2[l], hi1, lo1);
+      const uint32_t n0 = hi1 ^ c1[l] ^ key0;
+      const uint32_t n2 = hi0 ^ c3[l] ^ key1;
+      c0[l] = n0;
+      c1[l] = lo1;
+      c2[l] = n2;
+      c3[l] = lo0;
+    }
   }
+}
+
+MESA_HD PhiloxBlock philox4x32_10(PhiloxBlock counter, uint32_t key0, uint32_t key1) {
+  uint32_t c0 = counter.w[0], c1 = counter.w[1], c2 = counter.w[2], c3 = counter.w[3];
+  philox4x32_10_lanes<1>(&c0, &c1, &c2, &c3, key0, key1);
   return PhiloxBlock{{c0, c1, c2, c3}};
 }
 
