@@ -1,4 +1,5 @@
-"""MesaEncoderDecoder: the decode head drops the feature levels it has read, nothing else changes."""
+"""MesaEncoderDecoder: the decode head drops the feature levels it has read; nothing else
+changes."""
 import copy
 import weakref
 

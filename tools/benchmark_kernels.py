@@ -1,15 +1,17 @@
-"""Benchmark mmseg_mesa's CUDA kernels on one GPU (about a minute on an H100/H200).
+"""Benchmark mmseg_mesa's compiled kernels: on one GPU (about a minute on an H100/H200), or
+with ``--device cpu`` the CPU kernels (about a minute on two cores).
 
-1. Throughput of observe / quantize / dequantize in GB/s (bytes read + written), next to a plain
-   device-to-device copy of the same activation measured in the same run, and the speed-up over
-   the pure-PyTorch reference.
-2. Training step time (forward + backward) and peak memory of a Swin-like window-attention block
-   converted with ``convert_to_mesa`` against the plain block, in fp32 and bf16 autocast.
+1. Throughput of observe / quantize / dequantize in GB/s (bytes read + written) and ns per
+   element, next to a plain copy of the same activation measured in the same run, and the
+   speed-up over the pure-PyTorch reference.
+2. On a GPU: training step time (forward + backward) and peak memory of a Swin-like
+   window-attention block converted with ``convert_to_mesa`` against the plain block, in fp32 and
+   bf16 autocast. (CPU step times: ``tools/benchmark_speed.py``.)
 
-Prints markdown tables; ``--json PATH`` also writes the rows. Exits non-zero without a GPU or
-without the compiled extension, rather than report numbers it did not measure.
+Prints markdown tables; ``--json PATH`` also writes the rows. Exits non-zero without the device
+or without its compiled kernels, rather than report numbers it did not measure.
 
-    python tools/benchmark_kernels.py [--json results.json]
+    python tools/benchmark_kernels.py [--device cpu] [--json results.json]
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import copy
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -38,6 +41,12 @@ KERNEL_CASES = [
     ('hidden (64*3136, 96), groups of 32', (64, 3136, 96), 2, 32),
     ('attention (64*64, 3, 49, 49), per head', (4096, 3, 49, 49), 1, 1),
 ]
+# The same on CPU at sizes a CPU step sees: Linear / LayerNorm inputs grouped over their last
+# dim (channels last, one group per channel) and a conv input grouped over channels.
+CPU_KERNEL_CASES = [
+    ('tokens (8, 1024, 128), per channel', (8, 1024, 128), 2, 1),
+    ('feature map (8, 128, 64, 64), per channel', (8, 128, 64, 64), 1, 1),
+]
 # name, windows, dim, heads: stage 1 and stage 3 of Swin-T, batch 32, 7x7 windows.
 BLOCK_CASES = [
     ('Swin-T stage 1 block', 32 * 64, 96, 3),
@@ -45,9 +54,18 @@ BLOCK_CASES = [
 ]
 
 
-def time_ms(fn: Callable[[], object], iters: int = 10, repeats: int = 5) -> float:
+def time_ms(fn: Callable[[], object], device: str = 'cuda', iters: int = 10,
+            repeats: int = 5) -> float:
     """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls, in ms."""
     fn()
+    if device != 'cuda':
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples.append((time.perf_counter() - start) * 1e3 / iters)
+        return statistics.median(samples)
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeats):
@@ -62,12 +80,12 @@ def time_ms(fn: Callable[[], object], iters: int = 10, repeats: int = 5) -> floa
 
 
 def bench_activation(kernels, name: str, shape: tuple[int, ...], dim: int, group_size: int,
-                     dtype: torch.dtype) -> list[dict]:
-    x = torch.randn(shape, device='cuda').to(dtype)
+                     dtype: torch.dtype, device: str = 'cuda') -> list[dict]:
+    x = torch.randn(shape, device=device).to(dtype)
     groups = -(-shape[dim] // group_size)
-    lower = torch.zeros(groups, device='cuda')
-    span = torch.zeros(groups, device='cuda')
-    seen = torch.zeros(groups, dtype=torch.bool, device='cuda')
+    lower = torch.zeros(groups, device=device)
+    span = torch.zeros(groups, device=device)
+    seen = torch.zeros(groups, dtype=torch.bool, device=device)
     kernels.observe(x, lower, span, seen, dim, group_size, 0.9)
     scale = scale_from_span(span, 8)
     codes = kernels.quantize(x, lower, scale, 8, dim, group_size, False)
@@ -76,7 +94,7 @@ def bench_activation(kernels, name: str, shape: tuple[int, ...], dim: int, group
     stochastic = QuantSpec(8, dim, group_size, stochastic=True)
     state = (lower.clone(), span.clone(), seen.clone())  # observe updates it in place
     copy_dst = torch.empty_like(x)
-    copy_gbs = 2 * x.nbytes / time_ms(lambda: copy_dst.copy_(x)) / 1e6
+    copy_gbs = 2 * x.nbytes / time_ms(lambda: copy_dst.copy_(x), device) / 1e6
     n, item = x.numel(), x.element_size()
 
     def reference_observe():
@@ -97,19 +115,21 @@ def bench_activation(kernels, name: str, shape: tuple[int, ...], dim: int, group
     }
     rows = []
     for op, (kernel_fn, reference_fn, nbytes) in ops.items():
-        kernel_ms = time_ms(kernel_fn)
-        reference_ms = time_ms(reference_fn, iters=3, repeats=3)
+        kernel_ms = time_ms(kernel_fn, device)
+        reference_ms = time_ms(reference_fn, device, iters=3, repeats=3)
         gbs = nbytes / kernel_ms / 1e6
         rows.append(dict(case=name, dtype=str(dtype).replace('torch.', ''), op=op, ms=kernel_ms,
-                         gb_per_s=gbs, copy_gb_per_s=copy_gbs, of_copy=gbs / copy_gbs,
+                         ns_per_element=kernel_ms * 1e6 / n, gb_per_s=gbs,
+                         copy_gb_per_s=copy_gbs, of_copy=gbs / copy_gbs,
                          speedup_vs_torch=reference_ms / kernel_ms))
     return rows
 
 
-def bench_kernels(kernels) -> list[dict]:
-    return [row for name, shape, dim, group_size in KERNEL_CASES
+def bench_kernels(kernels, device: str = 'cuda') -> list[dict]:
+    cases = KERNEL_CASES if device == 'cuda' else CPU_KERNEL_CASES
+    return [row for name, shape, dim, group_size in cases
             for dtype in (torch.float32, torch.bfloat16)
-            for row in bench_activation(kernels, name, shape, dim, group_size, dtype)]
+            for row in bench_activation(kernels, name, shape, dim, group_size, dtype, device)]
 
 
 class WindowBlock(nn.Module):
@@ -192,31 +212,41 @@ def markdown(rows: list[dict], columns: dict[str, str]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--device', choices=('cuda', 'cpu'), default='cuda',
+                        help="the kernels to time (default: cuda; 'cpu': the CPU kernels on "
+                             "torch's intra-op threads)")
     parser.add_argument('--json', metavar='PATH', help='also write the results as JSON')
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == 'cuda' and not torch.cuda.is_available():
         print('benchmark_kernels: no CUDA GPU is visible (torch.cuda.is_available() is False); '
               'nothing was measured.', file=sys.stderr)
         return 2
     kernels, error = _backend.load_extension()
-    if kernels is None or _backend.device_error(torch.device('cuda')) is not None:
-        print(f'benchmark_kernels: the CUDA extension is unusable here '
-              f'({error or _backend.device_error(torch.device("cuda"))}); see '
-              '`python -m mmseg_mesa.info`.', file=sys.stderr)
+    if kernels is not None and args.device == 'cuda':
+        error = _backend.device_error(torch.device('cuda'))
+    elif kernels is not None and not kernels.CPU_KERNELS:
+        error = 'this build has no CPU kernels'
+    if kernels is None or error is not None:
+        print(f'benchmark_kernels: the compiled kernels for {args.device} are unusable here '
+              f'({error}); see `python -m mmseg_mesa.info`.', file=sys.stderr)
         return 3
     torch.manual_seed(0)
-    device = torch.cuda.get_device_name()
+    if args.device == 'cuda':
+        device = torch.cuda.get_device_name()
+    else:
+        device = f'CPU, {torch.get_num_threads()} threads'
     print(f'# mmseg_mesa kernels on {device}, torch {torch.__version__}\n')
-    kernel_rows = bench_kernels(kernels)
+    kernel_rows = bench_kernels(kernels, args.device)
     print(markdown(kernel_rows, dict(case='activation', dtype='dtype', op='op', ms='ms',
-                                     gb_per_s='GB/s', of_copy='of copy',
-                                     speedup_vs_torch='x torch ref')))
-    print(f'\ncopy = device-to-device copy of the same activation in the same run '
-          f'({kernel_rows[0]["copy_gb_per_s"]:.0f} GB/s for the first case).\n')
-    block_rows = bench_blocks()
-    print(markdown(block_rows, dict(case='block', precision='precision', variant='variant',
-                                    ms='step ms', ratio_to_plain='x plain',
-                                    peak_mib='peak MiB')))
+                                     ns_per_element='ns / element', gb_per_s='GB/s',
+                                     of_copy='of copy', speedup_vs_torch='x torch ref')))
+    print(f'\ncopy = a copy of the same activation on the same device in the same run '
+          f'({kernel_rows[0]["copy_gb_per_s"]:.1f} GB/s for the first case).\n')
+    block_rows = bench_blocks() if args.device == 'cuda' else []
+    if block_rows:
+        print(markdown(block_rows, dict(case='block', precision='precision', variant='variant',
+                                        ms='step ms', ratio_to_plain='x plain',
+                                        peak_mib='peak MiB')))
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(dict(device=device, torch=torch.__version__, kernels=kernel_rows,
