@@ -19,13 +19,25 @@ namespace {
 // Elements below which one thread does the whole tensor (thread start-up costs more).
 constexpr int64_t kGrainElements = 1 << 15;
 
-// Per-channel min/max over finite values of one task's share of the tensor, merged into `lo` /
-// `hi` (channels entries each). The tensor is (outer, channels, inner); the task covers rows
-// [first, last) of the (outer * channels, inner) view, i.e. runs of one channel each. A
-// non-finite value enters as +inf to the min and -inf to the max, which changes neither; a run
-// is reduced in kMinMaxLanes independent lanes, so that the loops vectorize.
+// Independent lanes of channel_min_max's reduction of one run.
 constexpr int kMinMaxLanes = 16;
 
+// lo = min(lo, v), hi = max(hi, v) for a finite v; a non-finite one enters as +inf to the min
+// and -inf to the max, which changes neither (branch-free, so that the loops vectorize).
+template <typename scalar_t>
+inline void merge_finite(scalar_t v, float& lo, float& hi) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const bool finite = is_finite_bits(v);
+  const float f = static_cast<float>(v);
+  const float for_lo = finite ? f : kInf;
+  const float for_hi = finite ? f : -kInf;
+  lo = for_lo < lo ? for_lo : lo;
+  hi = for_hi > hi ? for_hi : hi;
+}
+
+// Per-channel min/max over finite values of one task's share of the tensor, merged into `lo` /
+// `hi` (channels entries each). The tensor is (outer, channels, inner); the task covers rows
+// [first, last) of the (outer * channels, inner) view, i.e. runs of one channel each.
 template <typename scalar_t>
 void channel_min_max(const scalar_t* __restrict x, const GroupLayout& layout, int64_t first,
                      int64_t last, float* __restrict lo, float* __restrict hi) {
@@ -38,13 +50,7 @@ void channel_min_max(const scalar_t* __restrict x, const GroupLayout& layout, in
       const int64_t c1 = std::min<int64_t>(channels, c0 + (last - run));
       const scalar_t* row = x + run - c0;
       for (int64_t c = c0; c < c1; ++c) {
-        const scalar_t v = row[c];
-        const bool finite = is_finite_bits(v);
-        const float f = static_cast<float>(v);
-        const float for_lo = finite ? f : kInf;
-        const float for_hi = finite ? f : -kInf;
-        lo[c] = for_lo < lo[c] ? for_lo : lo[c];
-        hi[c] = for_hi > hi[c] ? for_hi : hi[c];
+        merge_finite(row[c], lo[c], hi[c]);
       }
       run += c1 - c0;
     }
@@ -62,23 +68,13 @@ void channel_min_max(const scalar_t* __restrict x, const GroupLayout& layout, in
     }
     for (int64_t k = 0; k < whole; k += kMinMaxLanes) {
       for (int j = 0; j < kMinMaxLanes; ++j) {
-        const scalar_t v = values[k + j];
-        const bool finite = is_finite_bits(v);
-        const float f = static_cast<float>(v);
-        const float for_lo = finite ? f : kInf;
-        const float for_hi = finite ? f : -kInf;
-        l[j] = for_lo < l[j] ? for_lo : l[j];
-        h[j] = for_hi > h[j] ? for_hi : h[j];
+        merge_finite(values[k + j], l[j], h[j]);
       }
     }
     float run_lo = lo[c];
     float run_hi = hi[c];
     for (int64_t k = whole; k < inner; ++k) {
-      const scalar_t v = values[k];
-      const bool finite = is_finite_bits(v);
-      const float f = static_cast<float>(v);
-      run_lo = finite && f < run_lo ? f : run_lo;
-      run_hi = finite && f > run_hi ? f : run_hi;
+      merge_finite(values[k], run_lo, run_hi);
     }
     for (int j = 0; j < kMinMaxLanes; ++j) {
       run_lo = l[j] < run_lo ? l[j] : run_lo;
