@@ -516,20 +516,3 @@ def test_division_auto_backend_matches_torch_on_cpu(shape, channel_dim):
     assert torch.equal(packed['auto'].lfc, packed['torch'].lfc)
     assert torch.equal(packed['auto'].hfc.data, packed['torch'].hfc.data)
     assert torch.equal(unpack(packed['auto']), unpack(packed['torch']))
-
-
-@requires_build
-def test_kernel_benchmark_times_the_cpu_kernels():
-    """``tools/benchmark_kernels.py --device cpu``: one row per op, each timed and compared."""
-    import os.path as osp
-    sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools'))
-    import benchmark_kernels
-
-    rows = benchmark_kernels.bench_activation(kernels(), 'small', (2, 64, 8), 2, 1,
-                                              torch.float32, 'cpu')
-    assert [row['op'] for row in rows] == ['observe', 'quantize (nearest)',
-                                           'quantize (stochastic)', 'dequantize']
-    for row in rows:
-        assert row['ms'] > 0 and row['ns_per_element'] == pytest.approx(
-            row['ms'] * 1e6 / (2 * 64 * 8))
-        assert row['speedup_vs_torch'] > 0 and row['gb_per_s'] > 0
