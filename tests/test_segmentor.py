@@ -5,11 +5,10 @@ import weakref
 
 import pytest
 import torch
-from mmengine.structures import PixelData
 from mmseg.models.segmentors.cascade_encoder_decoder import CascadeEncoderDecoder
 from mmseg.registry import MODELS
-from mmseg.structures import SegDataSample
 from mmseg.utils import register_all_modules
+from mmseg_models import batch, total_loss
 
 from mmseg_mesa import MesaConfig, convert_to_mesa
 from mmseg_mesa.integrations.segmentor import FeatureList, MesaEncoderDecoder
@@ -40,24 +39,10 @@ def small_upernet(aux_index=2, seed=0):
     return MODELS.build(cfg).train()
 
 
-def batch(size=64, n=2):
-    gen = torch.Generator().manual_seed(0)
-    inputs = torch.randn(n, 3, size, size, generator=gen)
-    samples = []
-    for _ in range(n):
-        sample = SegDataSample(gt_sem_seg=PixelData(
-            data=torch.randint(0, 5, (1, size, size), generator=gen)))
-        sample.set_metainfo(dict(img_shape=(size, size), pad_shape=(size, size),
-                                 ori_shape=(size, size)))
-        samples.append(sample)
-    return inputs, samples
-
-
 def step(model, inputs, samples):
     torch.manual_seed(1)  # the same dropout masks in every model
     losses = model.loss(inputs, samples)
-    loss = sum(v for k, v in losses.items() if 'loss' in k)
-    loss.backward()
+    total_loss(losses).backward()
     return losses, {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -74,7 +59,7 @@ def test_losses_and_gradients_are_those_of_the_plain_segmentor():
         'EncoderDecoder', 'MesaEncoderDecoder')
     assert not isinstance(plain_segmentor, MesaEncoderDecoder)
     plain_segmentor.load_state_dict(model.state_dict())  # the same EMA state from here on
-    inputs, samples = batch()
+    inputs, samples = batch(64, classes=5)
     got, got_grads = step(model, inputs, samples)
     want, want_grads = step(plain_segmentor, inputs, samples)
     assert got.keys() == want.keys()
@@ -99,7 +84,7 @@ def test_levels_the_decode_head_has_read_are_freed_before_its_fusion(aux_index):
     alive = []
     model.decode_head.fpn_convs[0].register_forward_pre_hook(
         lambda module, args: alive.extend(ref() is not None for ref in levels))
-    losses = model.loss(*batch())
+    losses = model.loss(*batch(64, classes=5))
     kept = aux_index % len(CHANNELS)
     # every level a lateral conv has read is gone but the auxiliary head's (the coarsest one,
     # the PPM's, may stay saved by a pooling left unconverted)
