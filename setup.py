@@ -43,6 +43,10 @@ CUDA_SOURCES = ['csrc/mesa_kernels.cu']
 # No contraction into fused multiply-adds and no fast-math: the kernels must match the
 # pure-PyTorch reference bit for bit (csrc/mesa_numerics.h).
 CXX_FLAGS = ['-O3', '-std=c++20', '-ffp-contract=off', '-fno-fast-math']
+# at::parallel_for splits work over torch's threads only in code compiled with OpenMP when torch's
+# parallel backend is OpenMP (ATen/ParallelOpenMP.h is inline); without the flag the CPU kernels
+# would run on one thread. The extension then uses torch's own libgomp (same soname).
+OPENMP_FLAGS = ['-fopenmp']
 NVCC_FLAGS = ['-O3', '-std=c++20', '--prec-div=true', '--fmad=false', '--ftz=false']
 DEFAULT_ARCHS = '9.0'
 CONFIGS = ROOT / 'configs'
@@ -88,7 +92,7 @@ class BuildPy(build_py):
 def recorded_failure(build_info: str, error: BaseException) -> str:
     """``build_info`` rewritten for a package installed without its extension after ``error``."""
     fields = runpy_text(build_info)
-    fields.update(EXTENSION=False, CPU_KERNELS=False, CUDA_KERNELS=False,
+    fields.update(EXTENSION=False, CPU_KERNELS=False, CPU_OPENMP=False, CUDA_KERNELS=False,
                   SKIP_REASON=f'not built: compiling it failed ({type(error).__name__}: '
                               f'{str(error).strip().splitlines()[-1] if str(error) else ""}); '
                               'see the install log')
@@ -145,6 +149,13 @@ def cuda_arch_list(torch) -> str:
     return DEFAULT_ARCHS
 
 
+def openmp_flags(torch) -> list[str]:
+    """``OPENMP_FLAGS`` where torch's intra-op threads are OpenMP's and the compiler is GCC-like
+    on Linux; else none (torch's native backend needs no flag)."""
+    openmp = 'parallel backend: OpenMP' in torch.__config__.parallel_info()
+    return OPENMP_FLAGS if openmp and sys.platform.startswith('linux') else []
+
+
 def build_info_text(**fields) -> str:
     lines = ['"""Written by setup.py when the package is installed; do not edit."""']
     lines += [f'{key} = {value!r}' for key, value in fields.items()]
@@ -189,8 +200,8 @@ def extension_setup() -> tuple[dict, str]:
     CUDAExtension when torch has CUDA support and a toolkit is found.
     """
     info = dict(TORCH_VERSION=None, TORCH_CUDA_VERSION=None, EXTENSION=False,
-                CPU_KERNELS=False, CUDA_KERNELS=False, CUDA_ARCH_LIST=None, CUDA_HOME=None,
-                CUDA_SKIP_REASON=None)
+                CPU_KERNELS=False, CPU_OPENMP=False, CUDA_KERNELS=False, CUDA_ARCH_LIST=None,
+                CUDA_HOME=None, CUDA_SKIP_REASON=None)
     if os.environ.get('MMSEG_MESA_NO_EXT', '0') == '1':
         return skip_extension('not built: MMSEG_MESA_NO_EXT=1 was set at install time', **info)
     try:
@@ -213,6 +224,8 @@ def extension_setup() -> tuple[dict, str]:
     # ninja (faster, parallel) is found on PATH; pip does not put the venv's bin there.
     os.environ['PATH'] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get('PATH', '')
     include_dirs = [str(ROOT / 'csrc')]
+    openmp = openmp_flags(torch)
+    cxx_flags = CXX_FLAGS + openmp
     if cuda_reason is None:
         # torch.utils.cpp_extension reads these when it is imported.
         os.environ['CUDA_HOME'] = cuda_home
@@ -225,7 +238,8 @@ def extension_setup() -> tuple[dict, str]:
             sources=CPU_SOURCES + CUDA_SOURCES,
             include_dirs=include_dirs + extra_cuda_includes(cuda_home, torch_dir),
             define_macros=[('MMSEG_MESA_WITH_CUDA', '1')],
-            extra_compile_args={'cxx': CXX_FLAGS, 'nvcc': NVCC_FLAGS},
+            extra_compile_args={'cxx': cxx_flags, 'nvcc': NVCC_FLAGS},
+            extra_link_args=openmp,
         )
         info.update(CUDA_KERNELS=True, CUDA_ARCH_LIST=archs, CUDA_HOME=cuda_home)
     else:
@@ -234,11 +248,13 @@ def extension_setup() -> tuple[dict, str]:
               file=sys.stderr)
         extension = CppExtension(name='mmseg_mesa._C', sources=CPU_SOURCES,
                                  include_dirs=include_dirs,
-                                 extra_compile_args={'cxx': CXX_FLAGS})
+                                 extra_compile_args={'cxx': cxx_flags},
+                                 extra_link_args=openmp)
         info.update(CUDA_SKIP_REASON=cuda_reason)
     build_ext = build_extension_class(BuildExtension.with_options(use_ninja=True))
     return (dict(ext_modules=[extension], cmdclass={'build_ext': build_ext}),
-            build_info_text(**dict(info, EXTENSION=True, CPU_KERNELS=True, SKIP_REASON=None)))
+            build_info_text(**dict(info, EXTENSION=True, CPU_KERNELS=True, CPU_OPENMP=bool(openmp),
+                                   SKIP_REASON=None)))
 
 
 VERSION = version_fields()

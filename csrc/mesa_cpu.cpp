@@ -395,4 +395,12 @@ at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
   return out;
 }
 
+bool cpu_kernels_parallel() {
+#ifdef INTRA_OP_PARALLEL  // defined by ATen/Parallel.h where at::parallel_for splits work
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace mmseg_mesa

@@ -20,6 +20,8 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& lower, const at::
 at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
                           const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
                           int64_t group_dim, int64_t group_size, at::ScalarType dtype);
+// Whether the CPU kernels' at::parallel_for uses torch's threads (OpenMP builds need -fopenmp).
+bool cpu_kernels_parallel();
 
 #ifdef MMSEG_MESA_WITH_CUDA
 at::Tensor observe_cuda(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span,
@@ -88,6 +90,7 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
 #endif
   if (PyModule_AddStringConstant(m, "TORCH_VERSION", TORCH_VERSION) < 0 ||
       PyModule_AddIntConstant(m, "CPU_KERNELS", 1) < 0 ||
+      PyModule_AddIntConstant(m, "CPU_PARALLEL", mmseg_mesa::cpu_kernels_parallel()) < 0 ||
       PyModule_AddIntConstant(m, "CUDA_KERNELS", cuda_kernels) < 0 ||
       PyModule_AddStringConstant(m, "CUDA_ARCHS", archs) < 0 ||
       PyModule_AddIntConstant(m, "CUDA_VERSION", cuda_version) < 0) {

@@ -52,8 +52,22 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
                      1)
 
 
+_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def _flags_of_bytes(device: torch.device) -> torch.Tensor:
+    """(256, 8) bool: the 8 flags each byte value stands for, bit ``j`` as flag ``j``."""
+    if device not in _FLAGS:
+        values = torch.arange(256, device=device).unsqueeze(-1)
+        _FLAGS[device] = ((values >> torch.arange(8, device=device)) & 1).bool()
+    return _FLAGS[device]
+
+
 def unpack_mask(data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: one table lookup per byte (shifting and masking took three
+    passes over the eight flags of every byte)."""
     numel = 1
     for s in shape:
         numel *= s
-    return unpack_bits(data, 1, numel).view(shape).bool()
+    flags = torch.index_select(_flags_of_bytes(data.device), 0, data.reshape(-1).int())
+    return flags.view(-1)[:numel].view(shape)

@@ -31,6 +31,9 @@ def collect() -> dict[str, str]:
         report['extension _C'] = 'built and loadable'
         report['built for torch'] = info.TORCH_VERSION
         report['compiled kernels'] = _built_kernels(kernels)
+        report['CPU kernel threads'] = (
+            f'torch\'s intra-op threads ({torch.get_num_threads()} here)' if kernels.CPU_PARALLEL
+            else f'one (built without OpenMP, which this torch uses); {_backend.REINSTALL}')
         if kernels.CUDA_KERNELS:
             report['built for archs'] = (f'TORCH_CUDA_ARCH_LIST={info.CUDA_ARCH_LIST} '
                                          f'(nvcc: {kernels.CUDA_ARCHS}), CUDA '

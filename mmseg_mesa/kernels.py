@@ -20,6 +20,8 @@ from .rounding import rounding_counter
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TORCH_VERSION: str = _C.TORCH_VERSION
 CPU_KERNELS: bool = bool(_C.CPU_KERNELS)
+# Whether the CPU kernels run on torch's intra-op threads (false: built without OpenMP).
+CPU_PARALLEL: bool = bool(_C.CPU_PARALLEL)
 CUDA_KERNELS: bool = bool(_C.CUDA_KERNELS)
 CUDA_VERSION: int = _C.CUDA_VERSION
 CUDA_ARCHS: str = _C.CUDA_ARCHS

@@ -63,6 +63,7 @@ CASES = [
     Case('gelu_tanh', lambda: nn.GELU(approximate='tanh'), [(3, 7, 37)], _swap(MesaGELU)),
     Case('softmax', lambda: nn.Softmax(dim=-1), [(2, 3, 7, 9)], _swap(MesaSoftmax)),
     Case('layernorm', lambda: nn.LayerNorm(37), [(3, 7, 37)], _swap(MesaLayerNorm)),
+    Case('layernorm_2d', lambda: nn.LayerNorm((5, 6)), [(3, 4, 5, 6)], _swap(MesaLayerNorm)),
     # LayerNorm keeps 4 bytes of 1/std per token: realistic widths (>= 64) for the bytes test
     Case('layernorm_noaffine', lambda: nn.LayerNorm(64, elementwise_affine=False),
          [(4, 64)], _swap(MesaLayerNorm), memory_shapes=[(8, 49, 64)]),

@@ -64,6 +64,7 @@ def test_info_command_reports_extension_state():
     assert "backend='auto' for CUDA tensors" in out
     if BUILT:
         assert "backend='auto' for CPU tensors  : cpu kernels" in out
+        assert "CPU kernel threads" in out
 
 
 def test_extension_is_importable_when_built():
@@ -79,6 +80,12 @@ def test_extension_is_importable_when_built():
     assert kernels is not None, error
     assert BUILD.TORCH_VERSION == torch.__version__
     assert BUILD.CPU_KERNELS and kernels.CPU_KERNELS  # every build has the CPU kernels
+    # at::parallel_for splits the CPU kernels' work over torch's threads only when the
+    # extension was compiled with OpenMP like torch (a build without it ran on one thread)
+    openmp_torch = 'parallel backend: OpenMP' in torch.__config__.parallel_info()
+    if openmp_torch and sys.platform.startswith('linux'):
+        assert BUILD.CPU_OPENMP
+    assert kernels.CPU_PARALLEL == (BUILD.CPU_OPENMP or not openmp_torch)
     assert kernels.CUDA_KERNELS == BUILD.CUDA_KERNELS
     if BUILD.CUDA_KERNELS:
         assert BUILD.CUDA_ARCH_LIST and kernels.CUDA_ARCHS

@@ -127,6 +127,27 @@ def test_inplace_relu_modifies_its_input():
     assert torch.equal(x.grad, (x > 0).float())
 
 
+def test_batchnorm_updates_running_statistics_and_checks_its_input_as_torch_does():
+    """Mesa's batch norm takes its moments from torch's own kernel where it can (CPU): the
+    output, the running statistics and the error for one value per channel stay torch's."""
+    from mmseg_mesa import MesaBatchNorm2d
+    ref = nn.BatchNorm2d(16, momentum=None)
+    ours = MesaBatchNorm2d.convert(copy.deepcopy(ref), MesaConfig())
+    for _ in range(3):
+        x = torch.randn(4, 16, 9, 9).to(memory_format=torch.channels_last).requires_grad_()
+        y, y2 = ref(x), ours(x)
+        assert torch.equal(y, y2)
+        y2.sum().backward()
+    for name in ('running_mean', 'running_var', 'num_batches_tracked'):
+        assert torch.equal(getattr(ref, name), getattr(ours, name)), name
+    one = torch.randn(1, 16, 1, 1, requires_grad=True)
+    with pytest.raises(ValueError) as expected:
+        ref(one)
+    with pytest.raises(ValueError) as got:
+        ours(one)
+    assert str(got.value) == str(expected.value)
+
+
 @pytest.mark.parametrize('bits', [8, 4])
 def test_layernorm_gradients_hold_for_tokens_of_any_spread(bits):
     """ViT's class token and position embeddings start at zero or std 0.02: tokens whose spread

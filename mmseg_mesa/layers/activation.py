@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -12,22 +11,6 @@ from torch import nn
 from ..quantizer import ActivationQuantizer, Mapped, Packed, attach_codes, unpack
 from ..saved import PackedMask, load, save
 from .base import MesaModule, no_autocast_backward, record_input
-
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-
-def gelu_derivative(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    """d GELU(x) / dx in fp32, for both of torch's variants."""
-    x = x.float()
-    if approximate == 'tanh':
-        inner = _SQRT_2_OVER_PI * (x + 0.044715 * x.pow(3))
-        t = torch.tanh(inner)
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (
-            1.0 + 3.0 * 0.044715 * x * x)
-    cdf = 0.5 * (1.0 + torch.erf(x * _INV_SQRT_2))
-    return cdf + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
 
 
 class MesaGELUFunction(torch.autograd.Function):
@@ -49,8 +32,10 @@ class MesaGELUFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (packed,) = load(ctx)
-        derivative = gelu_derivative(unpack(packed, torch.float32), ctx.approximate)
-        return (grad.float() * derivative).to(ctx.input_dtype), None, None
+        # torch's own GELU backward (one fused pass) on the decoded input, in fp32
+        grad_x = torch.ops.aten.gelu_backward(grad.float(), unpack(packed, torch.float32),
+                                              approximate=ctx.approximate)
+        return grad_x.to(ctx.input_dtype), None, None
 
 
 class MesaGELU(MesaModule, nn.GELU):

@@ -12,6 +12,10 @@ from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
 from .base import MesaModule, channel_dot, no_autocast_backward, record_input
 
+# Moments torch's norms return that are kept as they are; half-precision ones (bf16 or fp16
+# parameters on CPU) are recomputed in fp32 from the input.
+WIDE_MOMENTS = (torch.float32, torch.float64)
+
 
 def moments(x: torch.Tensor, dims: tuple[int, ...] | int, eps: float
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,9 +29,34 @@ def normalized(x: torch.Tensor, dims: tuple[int, ...] | int, eps: float
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x - mean) * rstd`` in fp32 and the exact ``rstd`` over ``dims`` (what LayerNorm and
     GroupNorm keep for backward), computed without grad and with one full-size temporary."""
-    mean, rstd = moments(x, dims, eps)
+    return standardized(x, *moments(x, dims, eps))
+
+
+def standardized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x - mean) * rstd`` (fp32 or wider, by type promotion) without grad, and ``rstd``."""
     with torch.no_grad():
-        return (x - mean).mul_(rstd), rstd  # fp32 by type promotion
+        return (x - mean).mul_(rstd), rstd
+
+
+def layer_norm_with_moments(x: torch.Tensor, normalized_shape: tuple, weight: torch.Tensor | None,
+                            bias: torch.Tensor | None, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``F.layer_norm``'s output with the mean and 1/std of each token (kept dims, fp32 or wider).
+
+    ``F.layer_norm`` is ``native_layer_norm``'s output; taking the moments it returns saves a
+    ``var_mean``, which on CPU costs several times the whole layer norm (docs/benchmarks.md).
+    Under autocast (``F.layer_norm`` has its own cast rule there) or where torch keeps the
+    moments in half precision (bf16 on CPU), they are computed in fp32 as before.
+    """
+    if not torch.is_autocast_enabled(x.device.type):
+        y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        if mean.dtype in WIDE_MOMENTS:
+            return y, mean, rstd
+    else:
+        y = F.layer_norm(x, normalized_shape, weight, bias, eps)
+    mean, rstd = moments(x, tuple(range(-len(normalized_shape), 0)), eps)
+    return y, mean, rstd
 
 
 def normalized_input_grad(g_norm: torch.Tensor, x_norm: torch.Tensor, rstd: torch.Tensor,
@@ -56,9 +85,9 @@ class MesaLayerNormFunction(torch.autograd.Function):
                 bias: torch.Tensor | None, eps: float, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
         record_input(ctx, x)
-        ctx.norm_dims = tuple(range(-len(normalized_shape), 0))
-        y = F.layer_norm(x, normalized_shape, weight, bias, eps)
-        x_norm, rstd = normalized(x, ctx.norm_dims, eps)
+        ctx.normalized_shape = normalized_shape
+        y, mean, rstd = layer_norm_with_moments(x, normalized_shape, weight, bias, eps)
+        x_norm, rstd = standardized(x, mean, rstd)
         save(ctx, quantizer.pack(x_norm), rstd, weight, bias)
         del x_norm
         return y
@@ -68,18 +97,21 @@ class MesaLayerNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, rstd, weight, bias = load(ctx)
         x_norm = unpack(packed, torch.float32)
-        dims = ctx.norm_dims
-        g = grad.float()
-        batch_dims = tuple(range(g.dim() - len(dims)))
-        grad_w = grad_b = None
-        if weight is not None and ctx.needs_input_grad[2]:
-            grad_w = (g * x_norm).sum(batch_dims).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[3]:
-            grad_b = g.sum(batch_dims).to(bias.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            g_norm = g * weight.float() if weight is not None else g
-            grad_x = normalized_input_grad(g_norm, x_norm, rstd, dims).to(ctx.input_dtype)
+        # torch's own layer-norm backward on x_norm, with mean 0 and 1/std 1 so that it
+        # normalizes nothing; the exact 1/std scales its input gradient afterwards. One pass
+        # where the formula (normalized_input_grad) took seven full-size temporaries.
+        flat = torch.zeros(rstd.shape, dtype=torch.float32, device=rstd.device)
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            grad.float(), x_norm, ctx.normalized_shape, flat, flat.add(1.0),
+            None if weight is None else weight.float(), None if bias is None else bias.float(),
+            [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+             bias is not None and ctx.needs_input_grad[3]])
+        if grad_x is not None:
+            grad_x = grad_x.mul_(rstd).to(ctx.input_dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
         return grad_x, None, grad_w, grad_b, None, None
 
 
@@ -128,9 +160,9 @@ class MesaBatchNormFunction(torch.autograd.Function):
                 quantizer: ActivationQuantizer) -> torch.Tensor:
         record_input(ctx, x)
         ctx.eps = eps
-        y = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
-        packed, invstd = pack_channel_normalized(x, eps, quantizer)
-        save(ctx, packed, invstd, weight, bias)
+        y, mean, invstd = batch_norm_with_moments(x, running_mean, running_var, weight, bias,
+                                                  momentum, eps)
+        save(ctx, pack_channel_normalized(x, mean, invstd, quantizer), invstd, weight, bias)
         return y
 
     @staticmethod
@@ -154,19 +186,44 @@ class MesaBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-def pack_channel_normalized(x: torch.Tensor, eps: float, quantizer: Any
-                            ) -> tuple[Any, torch.Tensor]:
-    """The packed ``(x - mean) * invstd`` over every dim but 1, and the exact ``invstd``.
+def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
+                            running_var: torch.Tensor | None, weight: torch.Tensor | None,
+                            bias: torch.Tensor | None, momentum: float, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training-mode ``F.batch_norm``'s output (running statistics updated) with the fp32 (or
+    wider) mean and 1/std of each channel, shaped to broadcast over ``x``.
+
+    On CPU without autocast ``F.batch_norm`` is ``native_batch_norm``, whose moments are taken
+    as it returns them (unless they are half precision): a ``var_mean`` over every dim but 1
+    costs more than the whole batch norm there. Elsewhere (cuDNN's kernels, autocast's cast
+    rules) they are computed in fp32.
+    """
+    dims = (0, *range(2, x.dim()))
+    if x.device.type == 'cpu' and not torch.is_autocast_enabled('cpu'):
+        if x.numel() == x.shape[1]:  # F.batch_norm's own check; native_batch_norm has none
+            raise ValueError('Expected more than 1 value per channel when training, got input '
+                             f'size {x.size()}')
+        y, mean, invstd = torch.native_batch_norm(x, weight, bias, running_mean, running_var,
+                                                  True, momentum, eps)
+        if mean.dtype in WIDE_MOMENTS:
+            shape = [1, -1] + [1] * (x.dim() - 2)
+            return y, mean.view(shape), invstd.view(shape)
+    else:
+        y = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    mean, invstd = moments(x, dims, eps)
+    return y, mean, invstd
+
+
+def pack_channel_normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                            quantizer: Any) -> Any:
+    """The packed ``(x - mean) * invstd`` (per channel of dim 1).
 
     An ``ActivationQuantizer`` packs it straight from ``x`` (``pack_standardized``: no
     full-size temporary); other compressors (DIVISION) get the normalized tensor.
     """
-    dims = (0, *range(2, x.dim()))
     if isinstance(quantizer, ActivationQuantizer):
-        mean, invstd = moments(x, dims, eps)
-        return quantizer.pack_standardized(x, mean, invstd), invstd
-    x_norm, invstd = normalized(x, dims, eps)
-    return quantizer.pack(x_norm), invstd
+        return quantizer.pack_standardized(x, mean, invstd)
+    return quantizer.pack(standardized(x, mean, invstd)[0])
 
 
 def standardize(x_norm: torch.Tensor, dims: list[int], invstd: torch.Tensor,
@@ -177,8 +234,11 @@ def standardize(x_norm: torch.Tensor, dims: list[int], invstd: torch.Tensor,
     Its mean is 0 and its variance ``var / (var + eps) = 1 - eps * invstd**2`` (well below 1 when
     a channel's variance is small next to eps, as in PPM's pooled 1x1 branch).
     """
-    var, mean = torch.var_mean(x_norm, dim=dims, correction=0, keepdim=True)
-    return x_norm.sub_(mean).mul_(standardize_scale(var, invstd, eps))
+    x_norm.sub_(x_norm.mean(dims, keepdim=True))
+    # two passes (mean, then the centred values' mean square): torch's var_mean over every dim
+    # but 1 is several times slower on CPU, and this is as accurate
+    var = channel_dot(x_norm, x_norm, dims).div_(x_norm.numel() // x_norm.shape[1])
+    return x_norm.mul_(standardize_scale(var, invstd, eps))
 
 
 def standardize_scale(var: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
