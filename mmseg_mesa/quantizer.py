@@ -12,6 +12,7 @@ bit packing included) instead where the backend says so, with bit-identical resu
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +27,12 @@ from .rounding import reset_rounding_generators, rounding_counter
 __all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'pack',
            'packed_reusing', 'reset_rounding_generators', 'rounding_counter', 'sample_range',
            'unpack']
+
+
+def without_grad() -> contextlib.AbstractContextManager:
+    """``torch.no_grad()``, or nothing where grad mode is off already (inside an autograd
+    Function's forward, where every layer packs; entering it costs a few us per call)."""
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
 def group_min_max(x: torch.Tensor, group_dim: int, group_size: int
@@ -72,7 +79,7 @@ def ema_update(lower: torch.Tensor, span: torch.Tensor, seen: torch.Tensor, lo: 
 
 def scale_from_span(span: torch.Tensor, bits: int) -> torch.Tensor:
     levels = (1 << bits) - 1
-    return torch.where(span > 0, span / levels, torch.ones_like(span))
+    return torch.where(span > 0, span / levels, 1.0)
 
 
 def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tensor) -> Packed:
@@ -186,7 +193,7 @@ class ActivationQuantizer(nn.Module):
         groups = self.spec.num_groups(x.shape[group_dim])
         self._ensure_groups(groups, x.device)
         kernel = _backend.kernels_for(x, self.spec.backend)
-        with torch.no_grad():
+        with without_grad():
             if kernel is not None:
                 return kernel.observe(x.contiguous(), self.lower, self.span, self.seen,
                                       group_dim, self.spec.group_size, self.spec.ema_decay)
@@ -196,7 +203,7 @@ class ActivationQuantizer(nn.Module):
     def pack(self, x: torch.Tensor) -> Packed:
         """Observe ``x`` (training step) and quantize it over the resulting range."""
         cover = self.observe(x)
-        with torch.no_grad():
+        with without_grad():
             # lower gets its own storage: the saved Packed should not pin the span row too
             return pack(x.detach(), self.spec, cover[0].clone(), cover[1])
 
@@ -219,7 +226,7 @@ class ActivationQuantizer(nn.Module):
                 f'mean and rstd per group; got group_size={self.spec.group_size}, {groups} '
                 f'groups, {mean.numel()} means, {rstd.numel()} rstds')
         self._ensure_groups(groups, x.device)
-        with torch.no_grad():
+        with without_grad():
             mean, rstd = mean.reshape(-1).float(), rstd.reshape(-1).float()
             lo, hi = group_min_max(x.detach(), group_dim, 1)
             cover = ema_update(self.lower, self.span, self.seen, (lo - mean) * rstd,

@@ -58,12 +58,13 @@ def _operands(batch=6, heads=3, tokens=20, keys=20, dim=8, table_rows=30):
 
 
 @pytest.mark.parametrize('variant', VARIANTS)
-@pytest.mark.parametrize('chunk', [None, 4096])
+@pytest.mark.parametrize('chunk', [None, 4096, 9600])
 def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, chunk, monkeypatch):
     """The recomputed maps make backward the exact gradient of attention evaluated at the 8-bit
     q, k and v, whether backward works through whole images or through blocks of rows."""
     use_table, groups, score_scale, dropout_p, need_map = variant
-    if chunk is not None:  # 3 heads x 20 x 20 fp32 is 4800 bytes: blocks of rows
+    if chunk is not None:  # 3 heads x 20 x 20 fp32 is 4800 bytes: blocks of rows, or of
+        # two whole images
         monkeypatch.setattr(attention_core, 'DECODE_CHUNK_BYTES', chunk)
     q, k, v, table, index = _operands()
     if not use_table:

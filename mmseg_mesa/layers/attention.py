@@ -19,7 +19,7 @@ from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
 from .attention_core import ATTENTION_QUANTIZERS, MesaAttentionFunction, recomputes_maps
-from .base import MesaModule, autocast_inputs, no_autocast_backward
+from .base import MesaModule, autocast_inputs, autocast_off, no_autocast_backward
 from .dropout import MesaDropout
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMul
@@ -45,7 +45,7 @@ class MesaInProjectionFunction(torch.autograd.Function):
         ctx.input_dtypes = (q.dtype, k.dtype, v.dtype)  # q, k and v may differ in dtype
         weights = wc.chunk(3)
         biases = bc.chunk(3) if bc is not None else (None, None, None)
-        with torch.autocast(ctx.device_type, enabled=False):
+        with autocast_off(ctx.device_type):
             outs = tuple(F.linear(x, w, b) for x, w, b in zip((qc, kc, vc), weights, biases))
         ctx.shared = _same_data(q, k) and _same_data(q, v)
         packed: list = [None, None, None]

@@ -178,9 +178,22 @@ class MesaAttentionFunction(torch.autograd.Function):
         q, k, v = (unpack_heads(p, heads) for p in (packed_q, packed_k, packed_v))
         batch = q.shape[0]
         need_q, need_k, need_v, need_table = ctx.needs_input_grad[:4]
-        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if need_q else None
-        grad_k = torch.zeros(k.shape, dtype=torch.float32, device=k.device) if need_k else None
-        grad_v = torch.zeros(v.shape, dtype=torch.float32, device=v.device) if need_v else None
+        blocks = _row_blocks(batch, heads, queries, keys)
+        # One block (small maps): its products are the gradients. Else every block writes its
+        # rows of grad_q once and adds to grad_k / grad_v, which need zeros only where an
+        # image's rows span several blocks.
+        whole = len(blocks) == 1
+        split_rows = any(rows != slice(None) for _, rows in blocks)
+
+        def buffer(like: torch.Tensor, needed: bool, accumulated: bool) -> torch.Tensor | None:
+            if not needed or whole:
+                return None
+            make = torch.zeros if accumulated else torch.empty
+            return make(like.shape, dtype=torch.float32, device=like.device)
+
+        grad_q = buffer(q, need_q, False)
+        grad_k = buffer(k, need_k, split_rows)
+        grad_v = buffer(v, need_v and grad_out is not None, split_rows)
         grad_table = None
         if table is not None:
             index = index.view(queries, keys)
@@ -189,8 +202,25 @@ class MesaAttentionFunction(torch.autograd.Function):
         if mask is not None:
             mask = mask.float()
         g = grad_out.float() if grad_out is not None else None
-        for images, rows in _row_blocks(batch, heads, queries, keys):
-            scores = torch.matmul(q[images, :, rows], k[images].transpose(-2, -1))
+
+        def put(total: torch.Tensor | None, part: torch.Tensor, images: slice,
+                rows: slice | None) -> torch.Tensor:
+            """``part`` as the block's share of a gradient: the gradient itself for one block,
+            else written (``rows``) or added (``rows`` None) into ``total``."""
+            if whole:
+                return part
+            if rows is not None:
+                total[images, :, rows] = part
+            elif split_rows:
+                total[images] += part
+            else:
+                total[images] = part
+            return total
+
+        for images, rows in blocks:
+            q_rows = q if whole else q[images, :, rows]
+            k_block = k if whole else k[images]
+            scores = torch.matmul(q_rows, k_block.transpose(-2, -1))
             if score_scale is not None:
                 scores.mul_(score_scale)
             if table is not None:
@@ -202,8 +232,9 @@ class MesaAttentionFunction(torch.autograd.Function):
                 scores.add_(part if part.shape[2] == 1 else part[:, :, rows])
             attn = torch.softmax(scores, dim=-1)
             del scores
-            if g is not None:
-                grad_attn = torch.matmul(g[images, :, rows], v[images].transpose(-2, -1))
+            g_rows = None if g is None else (g if whole else g[images, :, rows])
+            if g_rows is not None:
+                grad_attn = torch.matmul(g_rows, (v if whole else v[images]).transpose(-2, -1))
             else:
                 grad_attn = torch.zeros_like(attn)
             if grad_map is not None:
@@ -214,21 +245,23 @@ class MesaAttentionFunction(torch.autograd.Function):
                 dropped = attn * scale
                 grad_attn.mul_(scale)
                 del scale
-            if grad_v is not None and g is not None:
-                grad_v[images] += torch.matmul(dropped.transpose(-2, -1), g[images, :, rows])
+            if need_v and g_rows is not None:
+                grad_v = put(grad_v, torch.matmul(dropped.transpose(-2, -1), g_rows), images,
+                             None)
             del dropped
-            # softmax backward in place: attn * (dP - sum(dP * attn))
-            grad_scores = grad_attn.sub_((grad_attn * attn).sum(-1, keepdim=True)).mul_(attn)
-            del attn
+            # torch's softmax backward: attn * (dP - sum(dP * attn)), one fused pass
+            grad_scores = torch._softmax_backward_data(grad_attn, attn, -1, attn.dtype)
+            del attn, grad_attn
             if grad_table is not None:
                 grad_table.index_add_(0, index[rows].reshape(-1),
                                       grad_scores.sum(0).permute(1, 2, 0).reshape(-1, heads))
             if score_scale is not None:
                 grad_scores.mul_(score_scale)
-            if grad_q is not None:
-                grad_q[images, :, rows] = torch.matmul(grad_scores, k[images])
-            if grad_k is not None:
-                grad_k[images] += torch.matmul(grad_scores.transpose(-2, -1), q[images, :, rows])
+            if need_q:
+                grad_q = put(grad_q, torch.matmul(grad_scores, k_block), images, rows)
+            if need_k:
+                grad_k = put(grad_k, torch.matmul(grad_scores.transpose(-2, -1), q_rows),
+                             images, None)
             del grad_scores
         if grad_table is not None:
             grad_table = grad_table.to(table_dtype)

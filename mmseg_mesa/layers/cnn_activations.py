@@ -25,7 +25,14 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
-from .base import MesaModule, autocast_inputs, no_autocast_backward, record_input, sum_to
+from .base import (
+    MesaModule,
+    autocast_inputs,
+    autocast_off,
+    no_autocast_backward,
+    record_input,
+    sum_to,
+)
 
 
 def comparable(x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +262,7 @@ class MesaPReLUFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
         xc, wc = autocast_inputs(ctx, x, weight)
-        with torch.autocast(ctx.device_type, enabled=False):
+        with autocast_off(ctx.device_type):
             y = F.prelu(xc, wc)
         positive = xc > 0
         packed = (quantizer.pack(xc.detach().masked_fill(positive, 0))

@@ -8,7 +8,14 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, packed_reusing
 from ..saved import save
-from .base import MesaModule, autocast_inputs, no_autocast_backward, operand_gradients, sum_to
+from .base import (
+    MesaModule,
+    autocast_inputs,
+    autocast_off,
+    no_autocast_backward,
+    operand_gradients,
+    sum_to,
+)
 
 
 class MesaMatMulFunction(torch.autograd.Function):
@@ -17,7 +24,7 @@ class MesaMatMulFunction(torch.autograd.Function):
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, quant_a: ActivationQuantizer,
                 quant_b: ActivationQuantizer) -> torch.Tensor:
         ac, bc = autocast_inputs(ctx, a, b)
-        with torch.autocast(ctx.device_type, enabled=False):
+        with autocast_off(ctx.device_type):
             y = torch.matmul(ac, bc)
         ctx.a_meta = (a.shape, a.dtype)
         ctx.b_meta = (b.shape, b.dtype)
