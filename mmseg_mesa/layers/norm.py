@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer, unpack, without_grad
 from ..saved import load, save
 from .base import MesaModule, channel_dot, no_autocast_backward, record_input
 
@@ -20,7 +20,7 @@ WIDE_MOMENTS = (torch.float32, torch.float64)
 def moments(x: torch.Tensor, dims: tuple[int, ...] | int, eps: float
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 mean and exact ``rstd = 1 / sqrt(var + eps)`` over ``dims`` (kept dims)."""
-    with torch.no_grad():
+    with without_grad():
         var, mean = torch.var_mean(x.float(), dim=dims, correction=0, keepdim=True)
         return mean, torch.rsqrt(var + eps)
 
@@ -29,14 +29,14 @@ def normalized(x: torch.Tensor, dims: tuple[int, ...] | int, eps: float
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x - mean) * rstd`` in fp32 and the exact ``rstd`` over ``dims`` (what LayerNorm and
     GroupNorm keep for backward), computed without grad and with one full-size temporary."""
-    return standardized(x, *moments(x, dims, eps))
+    mean, rstd = moments(x, dims, eps)
+    return standardized(x, mean, rstd), rstd
 
 
-def standardized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x - mean) * rstd`` (fp32 or wider, by type promotion) without grad, and ``rstd``."""
-    with torch.no_grad():
-        return (x - mean).mul_(rstd), rstd
+def standardized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) * rstd`` (fp32 or wider, by type promotion), without grad."""
+    with without_grad():
+        return (x - mean).mul_(rstd)
 
 
 def layer_norm_with_moments(x: torch.Tensor, normalized_shape: tuple, weight: torch.Tensor | None,
@@ -87,7 +87,7 @@ class MesaLayerNormFunction(torch.autograd.Function):
         record_input(ctx, x)
         ctx.normalized_shape = normalized_shape
         y, mean, rstd = layer_norm_with_moments(x, normalized_shape, weight, bias, eps)
-        x_norm, rstd = standardized(x, mean, rstd)
+        x_norm = standardized(x, mean, rstd)
         save(ctx, quantizer.pack(x_norm), rstd, weight, bias)
         del x_norm
         return y
@@ -198,7 +198,6 @@ def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
     costs more than the whole batch norm there. Elsewhere (cuDNN's kernels, autocast's cast
     rules) they are computed in fp32.
     """
-    dims = (0, *range(2, x.dim()))
     if x.device.type == 'cpu' and not torch.is_autocast_enabled('cpu'):
         if x.numel() == x.shape[1]:  # F.batch_norm's own check; native_batch_norm has none
             raise ValueError('Expected more than 1 value per channel when training, got input '
@@ -210,7 +209,7 @@ def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
             return y, mean.view(shape), invstd.view(shape)
     else:
         y = F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
-    mean, invstd = moments(x, dims, eps)
+    mean, invstd = moments(x, (0, *range(2, x.dim())), eps)
     return y, mean, invstd
 
 
@@ -223,7 +222,7 @@ def pack_channel_normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.T
     """
     if isinstance(quantizer, ActivationQuantizer):
         return quantizer.pack_standardized(x, mean, invstd)
-    return quantizer.pack(standardized(x, mean, invstd)[0])
+    return quantizer.pack(standardized(x, mean, invstd))
 
 
 def standardize(x_norm: torch.Tensor, dims: list[int], invstd: torch.Tensor,
