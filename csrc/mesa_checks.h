@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace mmseg_mesa {
@@ -105,8 +106,36 @@ inline GroupLayout check_observe_args(const char* op, const at::Tensor& x,
   return layout;
 }
 
-// Validates quantize's arguments and returns the layout of x. Codes of any width up to 8 bits
-// fit one per byte; packing needs a width that divides 8.
+// Codes of any width up to 8 bits fit one per byte; packing needs a width that divides 8.
+inline void check_code_width(const char* op, int64_t bits, bool pack) {
+  TORCH_CHECK(bits >= 1 && bits <= 8, op, ": bits must be in [1, 8], got ", bits);
+  TORCH_CHECK(!pack || bits == 1 || bits == 2 || bits == 4 || bits == 8, op,
+              ": only 1, 2, 4 or 8-bit codes can be packed, got bits=", bits);
+}
+
+// Validates observe_quantize's arguments (observe's, quantize's code width, and the optional
+// per-group mean and rstd of a standardized pack) and returns the layout of x.
+inline GroupLayout check_observe_quantize_args(const char* op, const at::Tensor& x,
+                                               const at::Tensor& lower, const at::Tensor& span,
+                                               const at::Tensor& seen,
+                                               const std::optional<at::Tensor>& mean,
+                                               const std::optional<at::Tensor>& rstd,
+                                               int64_t group_dim, int64_t group_size,
+                                               double decay, int64_t bits, bool pack,
+                                               c10::DeviceType device) {
+  const GroupLayout layout =
+      check_observe_args(op, x, lower, span, seen, group_dim, group_size, decay, device);
+  check_code_width(op, bits, pack);
+  TORCH_CHECK(mean.has_value() == rstd.has_value(), op,
+              ": mean and rstd are given together or not at all");
+  if (mean.has_value()) {
+    check_group_vector(op, "mean", *mean, x, layout, at::kFloat);
+    check_group_vector(op, "rstd", *rstd, x, layout, at::kFloat);
+  }
+  return layout;
+}
+
+// Validates quantize's arguments and returns the layout of x.
 inline GroupLayout check_quantize_args(const char* op, const at::Tensor& x,
                                        const at::Tensor& lower, const at::Tensor& scale,
                                        int64_t bits, int64_t group_dim, int64_t group_size,
@@ -115,9 +144,7 @@ inline GroupLayout check_quantize_args(const char* op, const at::Tensor& x,
   const GroupLayout layout = group_layout(op, x.sizes(), group_dim, group_size);
   check_group_vector(op, "lower", lower, x, layout, at::kFloat);
   check_group_vector(op, "scale", scale, x, layout, at::kFloat);
-  TORCH_CHECK(bits >= 1 && bits <= 8, op, ": bits must be in [1, 8], got ", bits);
-  TORCH_CHECK(!pack || bits == 1 || bits == 2 || bits == 4 || bits == 8, op,
-              ": only 1, 2, 4 or 8-bit codes can be packed, got bits=", bits);
+  check_code_width(op, bits, pack);
   return layout;
 }
 

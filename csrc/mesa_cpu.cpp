@@ -5,13 +5,22 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MESA_X86_SIMD 1
+#include <immintrin.h>
+#endif
 
 namespace mmseg_mesa {
 namespace {
@@ -149,15 +158,124 @@ void for_each_span(const GroupLayout& layout, const GroupPattern& pattern, const
   }
 }
 
-// Philox blocks drawn together by tile_uniforms (philox4x32_10_lanes).
+// Philox blocks drawn together by the portable tile_uniforms (philox4x32_10_lanes).
 constexpr int kLanes = 4;
 
+#ifdef MESA_X86_SIMD
+// Philox blocks one pass of the AVX2 generator draws: four sets of eight, so that the
+// multiplies of independent sets overlap.
+constexpr int kSimdSets = 4;
+constexpr int kSimdBlocks = 8 * kSimdSets;
+
+// mul_hi_lo of eight lanes: the 32-bit halves of a * m, each lane's 64-bit product.
+__attribute__((target("avx2"))) inline void mul_hi_lo_avx2(__m256i a, __m256i m, __m256i& hi,
+                                                           __m256i& lo) {
+  const __m256i even = _mm256_mul_epu32(a, m);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// The uniforms of `blocks` consecutive Philox blocks from counter `counter` (rounded up to a
+// multiple of kSimdBlocks; `out` holds 4 floats per block): rounding_block and unit_uniform
+// computed eight lanes at a time. Integer arithmetic and the same exact fp32 multiply, so the
+// values are bit-identical to the portable loop's.
+__attribute__((target("avx2"))) void philox_uniforms_avx2(uint64_t seed, uint64_t counter,
+                                                          uint64_t blocks, float* out) {
+  const __m256i mul0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256 unit = _mm256_set1_ps(0x1p-24f);
+  for (uint64_t b = 0; b < blocks; b += kSimdBlocks) {
+    __m256i c0[kSimdSets], c1[kSimdSets], c2[kSimdSets], c3[kSimdSets];
+    for (int s = 0; s < kSimdSets; ++s) {
+      // 64-bit counters base + lane as low and high words: the high word takes a carry in the
+      // lanes whose low word wrapped (unsigned low < base_low, compared with the sign flipped)
+      const uint64_t base = counter + b + 8 * s;
+      const __m256i base_low = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base)));
+      c0[s] = _mm256_add_epi32(base_low, lanes);
+      const __m256i wrapped = _mm256_cmpgt_epi32(_mm256_xor_si256(base_low, sign),
+                                                 _mm256_xor_si256(c0[s], sign));
+      c1[s] = _mm256_sub_epi32(
+          _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32))), wrapped);
+      c2[s] = _mm256_setzero_si256();
+      c3[s] = _mm256_setzero_si256();
+    }
+    uint32_t key0 = static_cast<uint32_t>(seed);
+    uint32_t key1 = static_cast<uint32_t>(seed >> 32);
+    for (int r = 0; r < 10; ++r) {  // philox4x32_10_lanes' rounds
+      if (r > 0) {
+        key0 += 0x9E3779B9u;
+        key1 += 0xBB67AE85u;
+      }
+      const __m256i k0 = _mm256_set1_epi32(static_cast<int>(key0));
+      const __m256i k1 = _mm256_set1_epi32(static_cast<int>(key1));
+      for (int s = 0; s < kSimdSets; ++s) {
+        __m256i hi0, lo0, hi1, lo1;
+        mul_hi_lo_avx2(c0[s], mul0, hi0, lo0);
+        mul_hi_lo_avx2(c2[s], mul1, hi1, lo1);
+        c0[s] = _mm256_xor_si256(_mm256_xor_si256(hi1, c1[s]), k0);
+        c2[s] = _mm256_xor_si256(_mm256_xor_si256(hi0, c3[s]), k1);
+        c1[s] = lo1;
+        c3[s] = lo0;
+      }
+    }
+    for (int s = 0; s < kSimdSets; ++s) {
+      // unit_uniform of each word, then word k of block l to out[4 * l + k]
+      __m256 u[4];
+      const __m256i words[4] = {c0[s], c1[s], c2[s], c3[s]};
+      for (int k = 0; k < 4; ++k) {
+        u[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(words[k], 8)), unit);
+      }
+      const __m256 t0 = _mm256_unpacklo_ps(u[0], u[1]);
+      const __m256 t1 = _mm256_unpackhi_ps(u[0], u[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(u[2], u[3]);
+      const __m256 t3 = _mm256_unpackhi_ps(u[2], u[3]);
+      const __m256 v0 = _mm256_shuffle_ps(t0, t2, 0x44);  // blocks 0 and 4
+      const __m256 v1 = _mm256_shuffle_ps(t0, t2, 0xEE);  // blocks 1 and 5
+      const __m256 v2 = _mm256_shuffle_ps(t1, t3, 0x44);  // blocks 2 and 6
+      const __m256 v3 = _mm256_shuffle_ps(t1, t3, 0xEE);  // blocks 3 and 7
+      float* o = out + 4 * (b + 8 * s);
+      _mm256_storeu_ps(o + 0, _mm256_permute2f128_ps(v0, v1, 0x20));
+      _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(v2, v3, 0x20));
+      _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(v0, v1, 0x31));
+      _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(v2, v3, 0x31));
+    }
+  }
+}
+
+// Whether stochastic rounding draws with AVX2: torch's CPU capability (which honours
+// ATEN_CPU_CAPABILITY, so CI can run the portable loop too) is AVX2 or above.
+bool draws_with_avx2() {
+  static const bool avx2 = [] {
+    const std::string capability = at::get_cpu_capability();
+    return (capability == "AVX2" || capability == "AVX512") && __builtin_cpu_supports("avx2");
+  }();
+  return avx2;
+}
+#else
+constexpr int kSimdBlocks = kLanes;
+#endif
+
+// Floats tile_uniforms writes for one tile: its blocks (one more when it starts inside a
+// block), rounded up to a whole number of passes of either generator.
+constexpr int64_t kTileBuffer =
+    4 * ((kTile / 4 + 1 + kSimdBlocks - 1) / kSimdBlocks) * kSimdBlocks;
+static_assert(kSimdBlocks % kLanes == 0, "a pass of the AVX2 generator covers whole lanes");
+
 // noise[j] = the uniform of flat index begin + j, for j < count <= kTile; `buffer` holds
-// kTile + 4 * kLanes floats. The draws are rounding_block's, kLanes blocks at a time.
+// kTileBuffer floats. The draws are rounding_block's, kLanes (or kSimdBlocks) blocks at a time.
 inline const float* tile_uniforms(uint64_t seed, uint64_t offset, int64_t begin, int64_t count,
                                   float* buffer) {
   const uint64_t first = static_cast<uint64_t>(begin) >> 2;
   const uint64_t blocks = ((static_cast<uint64_t>(begin + count) + 3) >> 2) - first;
+#ifdef MESA_X86_SIMD
+  if (draws_with_avx2()) {
+    philox_uniforms_avx2(seed, offset + first, blocks, buffer);
+    return buffer + (begin & 3);
+  }
+#endif
   const uint32_t key0 = static_cast<uint32_t>(seed);
   const uint32_t key1 = static_cast<uint32_t>(seed >> 32);
   for (uint64_t b = 0; b < blocks; b += kLanes) {
@@ -206,7 +324,7 @@ void quantize_bytes(const scalar_t* x, const float* lower, const float* scale, u
                     const GroupLayout& layout, float levels, uint64_t seed, uint64_t offset) {
   const GroupPattern pattern(layout, lower, scale);
   at::parallel_for(0, layout.numel, kGrainElements, [&](int64_t first, int64_t last) {
-    float buffer[kTile + 4 * kLanes];
+    float buffer[kTileBuffer];
     for_each_span(layout, pattern, lower, scale, first, last,
                   [&](int64_t position, int64_t count, const float* lo, const float* sc,
                       auto per_element) {
@@ -294,28 +412,23 @@ void dequantize_loop(const uint8_t* in, const float* lower, const float* scale, 
   });
 }
 
-}  // namespace
-
-at::Tensor observe_cpu(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span,
-                       const at::Tensor& seen, int64_t group_dim, int64_t group_size,
-                       double decay) {
-  constexpr const char* op = "mmseg_mesa::observe";
-  const GroupLayout layout = check_observe_args(op, x, lower, span, seen, group_dim, group_size,
-                                                decay, c10::DeviceType::CPU);
-  const at::Tensor cover = at::empty({2, layout.groups}, lower.options());
-  if (layout.numel == 0) {  // nothing observed: the running range as it is
-    cover.select(0, 0).copy_(lower);
-    cover.select(0, 1).copy_(span);
-    return cover;
+// This batch's min and max over the finite values of each group, +inf / -inf where a group has
+// none (an empty tensor has none anywhere). Runs of one channel (inner elements each) are split
+// into one share per thread; the shares' per-channel ranges are merged per group.
+void batch_group_range(const at::Tensor& x, const GroupLayout& layout,
+                       float* group_lo, float* group_hi) {
+  std::fill(group_lo, group_lo + layout.groups, std::numeric_limits<float>::infinity());
+  std::fill(group_hi, group_hi + layout.groups, -std::numeric_limits<float>::infinity());
+  if (layout.numel == 0) {
+    return;
   }
-  // Runs of one channel (inner elements each), split into one share per thread.
   const int64_t runs = layout.numel / layout.inner;
   const int64_t shares = std::max<int64_t>(
       1, std::min<int64_t>(at::get_num_threads(), layout.numel / kGrainElements));
   const int64_t channels = layout.channels;
   std::vector<float> lo(shares * channels, std::numeric_limits<float>::infinity());
   std::vector<float> hi(shares * channels, -std::numeric_limits<float>::infinity());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "observe", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
     at::parallel_for(0, shares, 1, [&](int64_t first, int64_t last) {
       for (int64_t share = first; share < last; ++share) {
@@ -324,29 +437,124 @@ at::Tensor observe_cpu(const at::Tensor& x, const at::Tensor& lower, const at::T
       }
     });
   });
-
-  // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to fp32.
-  const float decay_f = static_cast<float>(decay);
-  const float keep_new = static_cast<float>(1.0 - decay);
-  float* lower_p = lower.mutable_data_ptr<float>();
-  float* span_p = span.mutable_data_ptr<float>();
-  bool* seen_p = seen.mutable_data_ptr<bool>();
-  float* cover_lower = cover.mutable_data_ptr<float>();
-  float* cover_span = cover_lower + layout.groups;
   for (int64_t g = 0; g < layout.groups; ++g) {
-    float group_lo = std::numeric_limits<float>::infinity();
-    float group_hi = -std::numeric_limits<float>::infinity();
     const int64_t c_end = std::min(channels, (g + 1) * layout.group_size);
     for (int64_t share = 0; share < shares; ++share) {
       for (int64_t c = g * layout.group_size; c < c_end; ++c) {
-        group_lo = std::min(group_lo, lo[share * channels + c]);
-        group_hi = std::max(group_hi, hi[share * channels + c]);
+        group_lo[g] = std::min(group_lo[g], lo[share * channels + c]);
+        group_hi[g] = std::max(group_hi[g], hi[share * channels + c]);
       }
     }
-    ema_group_update(group_lo, group_hi, decay_f, keep_new, lower_p[g], span_p[g], seen_p[g],
-                     cover_lower[g], cover_span[g]);
+  }
+}
+
+// ema_group_update on the running estimates held by three tensors, one group at a time.
+class EmaUpdate {
+ public:
+  EmaUpdate(const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
+            double decay)
+      : lower_(lower.mutable_data_ptr<float>()),
+        span_(span.mutable_data_ptr<float>()),
+        seen_(seen.mutable_data_ptr<bool>()),
+        // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to
+        // fp32.
+        decay_(static_cast<float>(decay)),
+        keep_new_(static_cast<float>(1.0 - decay)) {}
+
+  void operator()(int64_t g, float lo, float hi, float& cover_lower, float& cover_span) const {
+    ema_group_update(lo, hi, decay_, keep_new_, lower_[g], span_[g], seen_[g], cover_lower,
+                     cover_span);
+  }
+
+ private:
+  float* lower_;
+  float* span_;
+  bool* seen_;
+  float decay_;
+  float keep_new_;
+};
+
+// quantize_loop for x's dtype and the rounding mode.
+void quantize_dispatch(const at::Tensor& x, const float* lower,
+                       const float* scale, const at::Tensor& codes, const GroupLayout& layout,
+                       int64_t bits, bool stochastic, int64_t seed, int64_t offset, bool pack) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize", [&] {
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    uint8_t* out = codes.mutable_data_ptr<uint8_t>();
+    const int width = static_cast<int>(bits);
+    if (stochastic) {
+      quantize_loop<scalar_t, true>(in, lower, scale, out, layout, width, pack, levels,
+                                    static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+    } else {
+      quantize_loop<scalar_t, false>(in, lower, scale, out, layout, width, pack, levels, 0, 0);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor observe_cpu(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span,
+                       const at::Tensor& seen, int64_t group_dim, int64_t group_size,
+                       double decay) {
+  constexpr const char* op = "mmseg_mesa::observe";
+  const GroupLayout layout = check_observe_args(op, x, lower, span, seen, group_dim, group_size,
+                                                decay, c10::DeviceType::CPU);
+  std::vector<float> lo(layout.groups), hi(layout.groups);
+  batch_group_range(x, layout, lo.data(), hi.data());
+  const at::Tensor cover = at::empty({2, layout.groups}, lower.options());
+  float* cover_lower = cover.mutable_data_ptr<float>();
+  EmaUpdate ema(lower, span, seen, decay);
+  for (int64_t g = 0; g < layout.groups; ++g) {
+    ema(g, lo[g], hi[g], cover_lower[g], cover_lower[layout.groups + g]);
   }
   return cover;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
+    const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
+    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
+    int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
+    int64_t seed, int64_t offset, bool pack) {
+  constexpr const char* op = "mmseg_mesa::observe_quantize";
+  const GroupLayout layout =
+      check_observe_quantize_args(op, x, lower, span, seen, mean, rstd, group_dim, group_size,
+                                  decay, bits, pack, c10::DeviceType::CPU);
+  const int64_t groups = layout.groups;
+  std::vector<float> lo(groups), hi(groups);
+  batch_group_range(x, layout, lo.data(), hi.data());
+  const at::Tensor used_lower = at::empty({groups}, lower.options());
+  const at::Tensor used_scale = at::empty({groups}, lower.options());
+  float* out_lower = used_lower.mutable_data_ptr<float>();
+  float* out_scale = used_scale.mutable_data_ptr<float>();
+  const float levels = static_cast<float>((1 << bits) - 1);
+  // Standardized: the range is observed in (x - mean) * rstd, x is coded over that range mapped
+  // back (quantizer.pack_standardized; rstd > 0 keeps the map monotone).
+  const float* m = mean.has_value() ? mean->const_data_ptr<float>() : nullptr;
+  const float* r = rstd.has_value() ? rstd->const_data_ptr<float>() : nullptr;
+  std::vector<float> x_lower(m != nullptr ? groups : 0), x_scale(m != nullptr ? groups : 0);
+  EmaUpdate ema(lower, span, seen, decay);
+  for (int64_t g = 0; g < groups; ++g) {
+    float group_lo = lo[g], group_hi = hi[g];
+    if (m != nullptr) {
+      group_lo = mul_rn(sub_rn(group_lo, m[g]), r[g]);
+      group_hi = mul_rn(sub_rn(group_hi, m[g]), r[g]);
+    }
+    float cover_span;
+    ema(g, group_lo, group_hi, out_lower[g], cover_span);
+    out_scale[g] = scale_of_span(cover_span, levels);
+    if (m != nullptr) {
+      x_lower[g] = add_rn(m[g], div_rn(out_lower[g], r[g]));
+      x_scale[g] = scale_of_span(div_rn(cover_span, r[g]), levels);
+    }
+  }
+  at::Tensor codes = at::empty(quantized_shape(x, bits, pack), x.options().dtype(at::kByte));
+  if (layout.numel > 0) {
+    quantize_dispatch(x, m != nullptr ? x_lower.data() : out_lower,
+                      m != nullptr ? x_scale.data() : out_scale, codes, layout, bits, stochastic,
+                      seed, offset, pack);
+  }
+  return {codes, used_lower, used_scale};
 }
 
 at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& scale,
@@ -359,20 +567,8 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& lower, const at::
   if (layout.numel == 0) {
     return codes;
   }
-  const float levels = static_cast<float>((1 << bits) - 1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {
-    const scalar_t* in = x.const_data_ptr<scalar_t>();
-    const float* lo = lower.const_data_ptr<float>();
-    const float* sc = scale.const_data_ptr<float>();
-    uint8_t* out = codes.mutable_data_ptr<uint8_t>();
-    const int width = static_cast<int>(bits);
-    if (stochastic) {
-      quantize_loop<scalar_t, true>(in, lo, sc, out, layout, width, pack, levels,
-                                    static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
-    } else {
-      quantize_loop<scalar_t, false>(in, lo, sc, out, layout, width, pack, levels, 0, 0);
-    }
-  });
+  quantize_dispatch(x, lower.const_data_ptr<float>(), scale.const_data_ptr<float>(), codes,
+                    layout, bits, stochastic, seed, offset, pack);
   return codes;
 }
 
@@ -393,6 +589,57 @@ at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
                               layout, static_cast<int>(bits));
   });
   return out;
+}
+
+// mmseg_mesa/bitpack.py's 1-bit layout: bit j of byte i is element 8 * i + j, the last byte
+// padded with zero bits.
+at::Tensor pack_mask_cpu(const at::Tensor& mask) {
+  constexpr const char* op = "mmseg_mesa::pack_mask";
+  check_contiguous(op, "mask", mask, c10::DeviceType::CPU);
+  TORCH_CHECK(mask.scalar_type() == at::kBool, op, ": mask must be bool, got ",
+              mask.scalar_type());
+  const int64_t numel = mask.numel();
+  at::Tensor bytes = at::empty({(numel + 7) / 8}, mask.options().dtype(at::kByte));
+  const bool* in = mask.const_data_ptr<bool>();
+  uint8_t* out = bytes.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, bytes.numel(), kGrainElements / 8, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t count = std::min<int64_t>(8, numel - 8 * i);
+      uint32_t byte = 0;
+      for (int64_t j = 0; j < count; ++j) {
+        byte |= static_cast<uint32_t>(in[8 * i + j]) << j;
+      }
+      out[i] = static_cast<uint8_t>(byte);
+    }
+  });
+  return bytes;
+}
+
+at::Tensor unpack_mask_cpu(const at::Tensor& bytes, at::IntArrayRef shape) {
+  constexpr const char* op = "mmseg_mesa::unpack_mask";
+  check_contiguous(op, "bytes", bytes, c10::DeviceType::CPU);
+  TORCH_CHECK(bytes.scalar_type() == at::kByte, op, ": bytes must be uint8, got ",
+              bytes.scalar_type());
+  int64_t numel = 1;
+  for (const int64_t size : shape) {
+    TORCH_CHECK(size >= 0, op, ": negative size in shape ", shape);
+    numel *= size;
+  }
+  TORCH_CHECK(bytes.numel() == (numel + 7) / 8, op, ": bytes hold ", bytes.numel(),
+              " bytes, but a mask of shape ", shape, " takes ", (numel + 7) / 8);
+  at::Tensor mask = at::empty(shape, bytes.options().dtype(at::kBool));
+  const uint8_t* in = bytes.const_data_ptr<uint8_t>();
+  bool* out = mask.mutable_data_ptr<bool>();
+  at::parallel_for(0, bytes.numel(), kGrainElements / 8, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t count = std::min<int64_t>(8, numel - 8 * i);
+      const uint32_t byte = in[i];
+      for (int64_t j = 0; j < count; ++j) {
+        out[8 * i + j] = ((byte >> j) & 1u) != 0;
+      }
+    }
+  });
+  return mask;
 }
 
 bool cpu_kernels_parallel() {

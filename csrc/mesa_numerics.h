@@ -186,6 +186,12 @@ MESA_HD void ema_group_update(float lo, float hi, float decay, float keep_new, f
   cover_span = sub_rn(upper > hi ? upper : hi, low);
 }
 
+// The quantization step of a group whose range is `span`: span / levels, or 1 where the span
+// is not positive (a constant or empty group) or NaN, as quantizer.scale_from_span.
+MESA_HD float scale_of_span(float span, float levels) {
+  return span > 0.0f ? div_rn(span, levels) : 1.0f;
+}
+
 // ---------------------------------------------------------------- stochastic rounding stream
 
 // Philox4x32-10 (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", SC11): a

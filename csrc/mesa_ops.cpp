@@ -1,13 +1,17 @@
 // Registers the torch ops torch.ops.mmseg_mesa.{observe, quantize, dequantize} with their CPU
 // kernels (mesa_cpu.cpp) and, in a CUDA build (MMSEG_MESA_WITH_CUDA), their CUDA kernels
-// (mesa_kernels.cu), and makes this library importable as the Python module mmseg_mesa._C (no
-// pybind11: the ops are reached through the dispatcher, so the module only carries build facts
-// for mmseg_mesa._backend to check).
+// (mesa_kernels.cu), and the CPU-only ops observe_quantize, pack_mask and unpack_mask. Makes
+// this library importable as the Python module mmseg_mesa._C (no pybind11: the ops are reached
+// through the dispatcher, so the module only carries build facts for mmseg_mesa._backend to
+// check).
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
 #include <torch/headeronly/version.h>
 #include <torch/library.h>
+
+#include <optional>
+#include <tuple>
 
 namespace mmseg_mesa {
 
@@ -20,6 +24,13 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& lower, const at::
 at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
                           const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
                           int64_t group_dim, int64_t group_size, at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
+    const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
+    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
+    int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
+    int64_t seed, int64_t offset, bool pack);
+at::Tensor pack_mask_cpu(const at::Tensor& mask);
+at::Tensor unpack_mask_cpu(const at::Tensor& bytes, at::IntArrayRef shape);
 // Whether the CPU kernels' at::parallel_for uses torch's threads (OpenMP builds need -fopenmp).
 bool cpu_kernels_parallel();
 
@@ -43,6 +54,12 @@ int compiled_cuda_version();
 // bitpack.py's layout. Stochastic rounding draws Philox4x32-10 keyed by `seed` at counters
 // `offset + i / 4` (mesa_numerics.h); the caller advances `offset` between calls.
 // dequantize: `codes` as quantize returned them for `shape` at `bits` per code.
+// observe_quantize: observe, then quantize over the range it returns, in one call; returns the
+// codes and the lower and scale that decode them. With mean and rstd (one per group) the range
+// is observed in (x - mean) * rstd, and the codes and their lower / scale are those of that
+// standardized tensor (quantizer.pack_standardized). CPU only: elsewhere kernels.py runs
+// observe and quantize in turn.
+// pack_mask / unpack_mask: a bool tensor as 1 bit per element (bitpack.py's layout); CPU only.
 TORCH_LIBRARY(mmseg_mesa, m) {
   m.def(
       "observe(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, int group_dim, "
@@ -53,12 +70,21 @@ TORCH_LIBRARY(mmseg_mesa, m) {
   m.def(
       "dequantize(Tensor codes, Tensor lower, Tensor scale, int bits, int[] shape, "
       "int group_dim, int group_size, ScalarType dtype) -> Tensor");
+  m.def(
+      "observe_quantize(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, "
+      "Tensor? mean, Tensor? rstd, int group_dim, int group_size, float decay, int bits, "
+      "bool stochastic, int seed, int offset, bool pack) -> (Tensor, Tensor, Tensor)");
+  m.def("pack_mask(Tensor mask) -> Tensor");
+  m.def("unpack_mask(Tensor bytes, int[] shape) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
   m.impl("observe", &mmseg_mesa::observe_cpu);
   m.impl("quantize", &mmseg_mesa::quantize_cpu);
   m.impl("dequantize", &mmseg_mesa::dequantize_cpu);
+  m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cpu);
+  m.impl("pack_mask", &mmseg_mesa::pack_mask_cpu);
+  m.impl("unpack_mask", &mmseg_mesa::unpack_mask_cpu);
 }
 
 #ifdef MMSEG_MESA_WITH_CUDA

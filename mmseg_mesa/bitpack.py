@@ -3,7 +3,7 @@
 Layout: codes are taken in row-major order of the flattened tensor; byte ``i`` holds codes
 ``i * k .. i * k + k - 1`` (``k = 8 // bits``), code ``j`` of a byte in bits
 ``[j * bits, (j + 1) * bits)`` (little-endian within the byte). The CUDA kernels write exactly
-this layout.
+this layout, and so do the CPU kernels that pack masks (``saved.PackedMask``).
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.mmseg_mesa)
+from .reference import scale_from_span
 from .rounding import rounding_counter
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -45,6 +46,63 @@ def observe(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor, seen: torc
     """Update the running estimates in place (``group_min_max`` + ``ema_update``) and return
     the ``(2, G)`` range covering this batch, as ``ema_update`` does."""
     return _ops.observe(x, lower, span, seen, group_dim, group_size, decay)
+
+
+def fuses(device: torch.device) -> bool:
+    """Whether ``observe_quantize`` is one fused kernel on ``device`` (it is on CPU; elsewhere
+    it runs ``observe`` and ``quantize`` in turn and takes no ``mean`` / ``rstd``)."""
+    return device.type == 'cpu'
+
+
+def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
+                     seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
+                     bits: int, stochastic: bool, pack: bool = False,
+                     counter: tuple[int, int] | None = None, mean: torch.Tensor | None = None,
+                     rstd: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``observe``, then ``quantize`` over the range it returns: ``(codes, lower, scale)``, the
+    codes and the per-group affine that decodes them (``ActivationQuantizer.pack``).
+
+    With ``mean`` and ``rstd`` (fp32, one per group, ``rstd > 0``) the range is observed in
+    ``(x - mean) * rstd``, and the codes and affine are those of that standardized tensor
+    (``ActivationQuantizer.pack_standardized``); CPU only.
+    On CPU one kernel does it all: the per-call cost of the small ops in between is most of
+    what a small layer pays for Mesa.
+    """
+    if not fuses(x.device):
+        if mean is not None or rstd is not None:
+            raise ValueError(f'observe_quantize: mean and rstd need CPU tensors, got {x.device}')
+        return observe_then_quantize(x, lower, span, seen, group_dim, group_size, decay, bits,
+                                     stochastic, pack, counter)
+    seed = offset = 0
+    if stochastic:
+        seed, offset = counter if counter is not None else rounding_counter(x.device, x.numel())
+    return _ops.observe_quantize(x, lower, span, seen, mean, rstd, group_dim, group_size, decay,
+                                 bits, stochastic, _int64(seed), _int64(offset), pack)
+
+
+def observe_then_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
+                          seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
+                          bits: int, stochastic: bool, pack: bool = False,
+                          counter: tuple[int, int] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``observe_quantize`` as two kernel calls and the scale in between (any device)."""
+    cover = observe(x, lower, span, seen, group_dim, group_size, decay)
+    # lower gets its own storage: the saved codes should not pin the span row too
+    used_lower = cover[0].clone()
+    scale = scale_from_span(cover[1], bits)
+    codes = quantize(x, used_lower, scale, bits, group_dim, group_size, stochastic, counter, pack)
+    return codes, used_lower, scale
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A contiguous bool CPU tensor as 1 bit per element, in ``bitpack``'s layout."""
+    return _ops.pack_mask(mask)
+
+
+def unpack_mask(data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The bool tensor of ``shape`` that ``pack_mask`` packed into ``data``."""
+    return _ops.unpack_mask(data, list(shape))
 
 
 def quantize(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: int,

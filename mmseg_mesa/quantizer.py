@@ -8,7 +8,8 @@ batch is taken as it is, later batches are blended in with an EMA, as in Mesa. U
 batch whose values fall outside the running range is quantized over the running range widened
 to cover it, instead of being clipped (see ``ema_update``). The codes' numerics are those of
 ``reference``; ``pack`` and ``unpack`` run the compiled kernels (CPU or CUDA, one call each,
-bit packing included) instead where the backend says so, with bit-identical results.
+bit packing included; on CPU ``pack`` observes and quantizes in one call) instead where the
+backend says so, with bit-identical results.
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ from torch import nn
 
 from . import _backend
 from .codes import Codes, Mapped, Packed, QuantSpec, sample_range
-from .reference import dequantize_packed_reference, quantize_packed_reference
+from .reference import dequantize_packed_reference, quantize_packed_reference, scale_from_span
 from .rounding import reset_rounding_generators, rounding_counter
 
 __all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'pack',
            'packed_reusing', 'reset_rounding_generators', 'rounding_counter', 'sample_range',
-           'unpack']
+           'scale_from_span', 'unpack']
 
 
 def without_grad() -> contextlib.AbstractContextManager:
@@ -75,11 +76,6 @@ def ema_update(lower: torch.Tensor, span: torch.Tensor, seen: torch.Tensor, lo: 
     cover_lower = torch.where(valid, torch.minimum(lower, lo), lower)
     cover_span = torch.where(valid, torch.maximum(upper, hi) - cover_lower, span)
     return torch.stack([cover_lower, cover_span])
-
-
-def scale_from_span(span: torch.Tensor, bits: int) -> torch.Tensor:
-    levels = (1 << bits) - 1
-    return torch.where(span > 0, span / levels, 1.0)
 
 
 def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tensor) -> Packed:
@@ -202,10 +198,20 @@ class ActivationQuantizer(nn.Module):
 
     def pack(self, x: torch.Tensor) -> Packed:
         """Observe ``x`` (training step) and quantize it over the resulting range."""
-        cover = self.observe(x)
-        with without_grad():
-            # lower gets its own storage: the saved Packed should not pin the span row too
-            return pack(x.detach(), self.spec, cover[0].clone(), cover[1])
+        spec = self.spec
+        kernel = _backend.kernels_for(x, spec.backend)
+        if kernel is None:
+            cover = self.observe(x)
+            with without_grad():
+                # lower gets its own storage: the saved Packed should not pin the span row too
+                return pack(x.detach(), spec, cover[0].clone(), cover[1])
+        group_dim = spec.group_dim % x.dim()
+        self._ensure_groups(spec.num_groups(x.shape[group_dim]), x.device)
+        data, lower, scale = kernel.observe_quantize(
+            x.detach().contiguous(), self.lower, self.span, self.seen, group_dim,
+            spec.group_size, spec.ema_decay, spec.bits, spec.stochastic, pack=True)
+        return Packed(data, lower, scale, x.shape, x.dtype, spec.bits, group_dim,
+                      spec.group_size, spec.backend)
 
     def pack_standardized(self, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
                           ) -> Packed:
@@ -226,8 +232,16 @@ class ActivationQuantizer(nn.Module):
                 f'mean and rstd per group; got group_size={self.spec.group_size}, {groups} '
                 f'groups, {mean.numel()} means, {rstd.numel()} rstds')
         self._ensure_groups(groups, x.device)
+        mean, rstd = mean.detach().reshape(-1).float(), rstd.detach().reshape(-1).float()
+        kernel = _backend.kernels_for(x, self.spec.backend)
+        if kernel is not None and kernel.fuses(x.device):
+            data, lower, scale = kernel.observe_quantize(
+                x.detach().contiguous(), self.lower, self.span, self.seen, group_dim, 1,
+                self.spec.ema_decay, self.spec.bits, self.spec.stochastic, pack=True,
+                mean=mean.contiguous(), rstd=rstd.contiguous())
+            return Packed(data, lower, scale, x.shape, torch.float32, self.spec.bits,
+                          group_dim, 1, self.spec.backend)
         with without_grad():
-            mean, rstd = mean.reshape(-1).float(), rstd.reshape(-1).float()
             lo, hi = group_min_max(x.detach(), group_dim, 1)
             cover = ema_update(self.lower, self.span, self.seen, (lo - mean) * rstd,
                                (hi - mean) * rstd, self.spec.ema_decay)

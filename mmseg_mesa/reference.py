@@ -82,6 +82,13 @@ def rounding_uniforms(seed: int, offset: int, start: int, count: int,
     return uniforms.view(-1)[start - 4 * first:start - 4 * first + count].mul_(2.0 ** -24)
 
 
+def scale_from_span(span: torch.Tensor, bits: int) -> torch.Tensor:
+    """The quantization step of each group: ``span / (2**bits - 1)``, or 1 where the span is
+    not positive (a constant or empty group) or NaN."""
+    levels = (1 << bits) - 1
+    return torch.where(span > 0, span / levels, 1.0)
+
+
 def channel_view(per_group: torch.Tensor, channels: int, group_size: int, group_dim: int,
                  ndim: int) -> torch.Tensor:
     """Expand a (G,) per-group vector to per-channel values shaped to broadcast along group_dim."""

@@ -8,27 +8,44 @@ flattened into their tensors here and rebuilt in backward; layers never see the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from . import _backend
 from .bitpack import pack_mask, unpack_mask
 from .codes import Codes, is_codes
 
 
+def _mask_kernels(t: torch.Tensor) -> ModuleType | None:
+    """The compiled kernels for a mask on ``t``'s device: CPU only, when the extension is
+    loaded (one call, where ``bitpack``'s torch ops take a dozen: most of what a small mask
+    costs to pack)."""
+    if t.device.type != 'cpu':
+        return None
+    return _backend.load_extension()[0]
+
+
 @dataclass
 class PackedMask:
-    """A boolean tensor stored as 1 bit per element."""
+    """A boolean tensor stored as 1 bit per element (``bitpack``'s layout)."""
 
     data: torch.Tensor
     shape: torch.Size
 
     @classmethod
     def of(cls, mask: torch.Tensor) -> PackedMask:
-        return cls(pack_mask(mask), mask.shape)
+        kernels = _mask_kernels(mask)
+        if kernels is None or mask.dtype != torch.bool:
+            return cls(pack_mask(mask), mask.shape)
+        return cls(kernels.pack_mask(mask.contiguous()), mask.shape)
 
     def unpack(self) -> torch.Tensor:
-        return unpack_mask(self.data, self.shape)
+        kernels = _mask_kernels(self.data)
+        if kernels is None:
+            return unpack_mask(self.data, self.shape)
+        return kernels.unpack_mask(self.data.contiguous(), self.shape)
 
 
 Saveable = torch.Tensor | Codes | PackedMask | None

@@ -4,7 +4,8 @@ The compiled CPU kernels are held to the pure-PyTorch reference in ``reference.p
 on every machine with a build; the same tests run on the CUDA kernels where a GPU is visible,
 and the two kernels' codes are compared with each other there. Philox4x32-10, which both
 kernels and the reference draw stochastic rounding from, is checked against Random123's
-published known-answer vectors.
+published known-answer vectors. The CPU-only kernels (observe and quantize in one call, 1-bit
+masks) are held to the kernels and torch code they stand in for.
 """
 from __future__ import annotations
 
@@ -321,6 +322,117 @@ def test_kernels_match_reference_across_threads(shape, group_dim, device):
     check_codes(k, x, ref[0], scale, 8, dim, 1, False, None)
 
 
+@requires_build
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('shape, group_dim, group_size', LAYOUTS + [((0, 8), 1, 4)])
+def test_fused_observe_quantize_matches_its_two_kernels(shape, group_dim, group_size, dtype):
+    """The CPU kernel that observes and quantizes in one call (every ``pack`` on CPU) gives
+    the codes, affine and running estimates of ``observe`` then ``quantize`` (the path other
+    devices run), both roundings, every width, packed or not."""
+    k = kernels()
+    dim = group_dim % len(shape)
+    groups = -(-shape[dim] // group_size)
+    for bits, stochastic, pack in [(8, True, True), (8, False, False), (4, True, True),
+                                   (2, False, True), (1, True, False), (2, True, False)]:
+        states = [[torch.zeros(groups), torch.zeros(groups), torch.zeros(groups, dtype=torch.bool)]
+                  for _ in range(2)]
+        for step in range(3):
+            x = sample(shape, dtype, 'cpu', offset=step, nonfinite=step > 0)
+            if step == 0 and groups > 1:  # a group with no finite value stays unseen
+                x.narrow(dim, 0, min(group_size, shape[dim])).fill_(float('nan'))
+            counter = (0x0123_4567_89AB_CDEF + step, 2 ** 32 - 7 + 1000 * step)
+            args = (dim, group_size, 0.9, bits, stochastic, pack, counter)
+            fused = k.observe_quantize(x, *states[0], *args)
+            separate = k.observe_then_quantize(x, *states[1], *args)
+            for got, want in zip(fused, separate):
+                assert torch.equal(got, want), (bits, stochastic, pack, step)
+            for got, want in zip(*states):
+                assert torch.equal(got, want), (bits, stochastic, pack, step)
+
+
+@requires_build
+@pytest.mark.parametrize('stochastic', [False, True])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_standardized_pack_matches_the_torch_path(dtype, stochastic):
+    """``pack_standardized`` on CPU (one kernel call: the range observed in the normalized
+    values, x coded over it mapped back) == its torch path, codes, affine and estimates."""
+    shape = (4, 6, 5, 7)
+    quantizers = {name: ActivationQuantizer(QuantSpec(group_dim=1, stochastic=stochastic,
+                                                      backend=name))
+                  for name in ('auto', 'torch')}
+    for step in range(3):
+        x = sample(shape, dtype, 'cpu', offset=step, nonfinite=step == 2)
+        x[:, 2] = 0.5  # a constant channel: zero span
+        finite = torch.where(x.isfinite(), x, 0).float()
+        mean = finite.mean((0, 2, 3), keepdim=True)
+        rstd = torch.rsqrt(finite.var((0, 2, 3), correction=0, keepdim=True) + 1e-5)
+        packed = {}
+        for name, q in quantizers.items():
+            reset_rounding_generators()
+            packed[name] = q.pack_standardized(x, mean.to(dtype), rstd.to(dtype))
+        for got, want in zip(packed['auto'].tensors(), packed['torch'].tensors()):
+            assert torch.equal(got, want), step
+        assert packed['auto'].meta()[:-1] == packed['torch'].meta()[:-1]  # but the backend
+        for name in ('lower', 'span', 'seen'):
+            assert torch.equal(getattr(quantizers['auto'], name),
+                               getattr(quantizers['torch'], name))
+
+
+@requires_build
+@pytest.mark.parametrize('shape', [(0,), (1,), (7,), (8,), (9,), (3, 5, 7), (4, 64, 33, 31)])
+def test_mask_kernels_match_bitpack(shape):
+    """The CPU mask kernels (``PackedMask`` on CPU) write and read bitpack's 1-bit layout."""
+    from mmseg_mesa.bitpack import pack_mask, unpack_mask
+    from mmseg_mesa.saved import PackedMask
+    k = kernels()
+    mask = torch.rand(shape) > 0.3
+    data = k.pack_mask(mask)
+    assert torch.equal(data, pack_mask(mask))
+    assert torch.equal(k.unpack_mask(data, mask.shape), mask)
+    assert torch.equal(unpack_mask(data, mask.shape), mask)
+    saved = PackedMask.of(mask)
+    assert torch.equal(saved.data, data) and torch.equal(saved.unpack(), mask)
+    with pytest.raises(RuntimeError, match='mask must be bool'):
+        k.pack_mask(mask.to(torch.uint8))
+    with pytest.raises(RuntimeError, match='takes'):
+        k.unpack_mask(torch.zeros(data.numel() + 1, dtype=torch.uint8), mask.shape)
+
+
+PORTABLE_DRAWS = """
+import sys, torch
+from mmseg_mesa import kernels
+assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'
+x = torch.load(sys.argv[1])
+lower, scale = torch.zeros(x.shape[1]), torch.full((x.shape[1],), 1 / 7)
+codes = kernels.quantize(x, lower, scale, 8, 1, 1, True, (2 ** 64 - 3, 2 ** 32 - 9))
+torch.save(codes, sys.argv[2])
+"""
+
+
+@requires_build
+def test_stochastic_rounding_draws_the_same_on_the_portable_path(tmp_path):
+    """Where torch's CPU capability is AVX2 the draws are made eight blocks at a time with AVX2;
+    under ATEN_CPU_CAPABILITY=default the portable loop makes them. Same codes, across the
+    counter's 32-bit carry."""
+    import os
+    x = torch.randn(4, 37, 41, 29)
+    torch.save(x, tmp_path / 'x.pt')
+    script = tmp_path / 'draw.py'
+    script.write_text(PORTABLE_DRAWS)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY='default')
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / 'x.pt'),
+                             str(tmp_path / 'codes.pt')], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    k = kernels()
+    lower, scale = torch.zeros(37), torch.full((37,), 1 / 7)
+    counter = (2 ** 64 - 3, 2 ** 32 - 9)
+    codes = k.quantize(x, lower, scale, 8, 1, 1, True, counter)
+    assert torch.equal(codes, torch.load(tmp_path / 'codes.pt'))
+    spec = QuantSpec(group_dim=1, stochastic=True)
+    assert torch.equal(codes, quantize_reference(x, lower, scale, spec, 1, counter))
+
+
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('shape', [(0, 8), (3, 0, 5), (2, 8, 0)])
 def test_empty_tensors(shape, device):
@@ -435,6 +547,18 @@ def test_invalid_arguments_are_rejected_clearly(device):
     with pytest.raises(ValueError, match='need the shape'):
         k.dequantize(torch.zeros(32, dtype=torch.uint8, device=device), lower, scale, 1, 8,
                      torch.float32, bits=2)
+    state = (lower.clone(), scale.clone(), torch.zeros(2, dtype=torch.bool, device=device))
+    with pytest.raises(RuntimeError, match='bits must be in'):
+        k.observe_quantize(x, *state, 1, 8, 0.9, 0, False)
+    if device == 'cpu':
+        with pytest.raises(RuntimeError, match='mean and rstd are given together'):
+            k.observe_quantize(x, *state, 1, 8, 0.9, 8, False, mean=lower)
+        with pytest.raises(RuntimeError, match=r'rstd must have shape \(2,\)'):
+            k.observe_quantize(x, *state, 1, 8, 0.9, 8, False, mean=lower,
+                               rstd=torch.ones(3))
+    else:
+        with pytest.raises(ValueError, match='mean and rstd need CPU tensors'):
+            k.observe_quantize(x, *state, 1, 8, 0.9, 8, False, mean=lower, rstd=scale)
 
 
 @pytest.mark.parametrize('device', DEVICES)
