@@ -103,7 +103,7 @@ void channel_min_max(const scalar_t* __restrict x, const GroupLayout& layout, in
 // With `inner` >= kMinRun each channel's run of `inner` elements is one group's, and the loop
 // body sees one lower / scale. Below that (a channel-last layout has inner == 1), the per-element
 // lower and scale of one (channels * inner) period are expanded once per call, repeated to at
-// least kMinPattern elements, and read alongside the data. Both leave the element loops free of
+// least kMinPattern elements (or the whole tensor), and read alongside the data. Both leave the element loops free of
 // index arithmetic, so that the compiler vectorizes them; each element still goes through
 // mesa_numerics.h's encode / decode.
 constexpr int64_t kMinRun = 16;
@@ -122,15 +122,23 @@ struct GroupPattern {
     if (runs) {
       return;
     }
+    // One period of (channels * inner) elements, channel by channel, then copies of it: no
+    // index arithmetic per element (which cost more than coding a small tensor). Not longer
+    // than the tensor needs.
     const int64_t base = layout.channels * layout.inner;
-    const int64_t repeats = std::max<int64_t>(1, (kMinPattern + base - 1) / base);
+    const int64_t wanted = std::min(kMinPattern, layout.numel);
+    const int64_t repeats = std::max<int64_t>(1, (wanted + base - 1) / base);
     period = base * repeats;
     lower.resize(period);
     scale.resize(period);
-    for (int64_t i = 0; i < period; ++i) {
-      const int64_t group = ((i % base) / layout.inner) / layout.group_size;
-      lower[i] = lower_g[group];
-      scale[i] = scale_g[group];
+    for (int64_t c = 0; c < layout.channels; ++c) {
+      const int64_t group = c / layout.group_size;
+      std::fill_n(lower.begin() + c * layout.inner, layout.inner, lower_g[group]);
+      std::fill_n(scale.begin() + c * layout.inner, layout.inner, scale_g[group]);
+    }
+    for (int64_t r = 1; r < repeats; ++r) {
+      std::copy_n(lower.begin(), base, lower.begin() + r * base);
+      std::copy_n(scale.begin(), base, scale.begin() + r * base);
     }
   }
 };

@@ -174,7 +174,8 @@ class ActivationQuantizer(nn.Module):
                 f'stochastic={s.stochastic}, ema_decay={s.ema_decay}')
 
     def _ensure_groups(self, groups: int, device: torch.device) -> None:
-        if self.lower.numel() == groups and self.lower.device == device:
+        lower = self._buffers['lower']  # not Module.__getattr__: every pack asks
+        if lower.numel() == groups and lower.device == device:
             return
         for name in ('lower', 'span', 'seen'):
             buf = getattr(self, name)
@@ -207,9 +208,10 @@ class ActivationQuantizer(nn.Module):
                 return pack(x.detach(), spec, cover[0].clone(), cover[1])
         group_dim = spec.group_dim % x.dim()
         self._ensure_groups(spec.num_groups(x.shape[group_dim]), x.device)
+        buffers = self._buffers
         data, lower, scale = kernel.observe_quantize(
-            x.detach().contiguous(), self.lower, self.span, self.seen, group_dim,
-            spec.group_size, spec.ema_decay, spec.bits, spec.stochastic, pack=True)
+            x.detach().contiguous(), buffers['lower'], buffers['span'], buffers['seen'],
+            group_dim, spec.group_size, spec.ema_decay, spec.bits, spec.stochastic, pack=True)
         return Packed(data, lower, scale, x.shape, x.dtype, spec.bits, group_dim,
                       spec.group_size, spec.backend)
 

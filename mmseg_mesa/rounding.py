@@ -31,7 +31,8 @@ _STREAMS: dict[torch.device, _Stream] = {}
 
 
 def _device_key(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type == 'cuda' and device.index is None:
         return torch.device('cuda', torch.cuda.current_device())
     return device

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, Mapped, Packed, attach_codes, unpack
 from ..saved import PackedMask, load, save
-from .base import MesaModule, no_autocast_backward, record_input
+from .base import MesaModule, cast, no_autocast_backward, record_input
 
 
 class MesaGELUFunction(torch.autograd.Function):
@@ -33,9 +33,10 @@ class MesaGELUFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (packed,) = load(ctx)
         # torch's own GELU backward (one fused pass) on the decoded input, in fp32
-        grad_x = torch.ops.aten.gelu_backward(grad.float(), unpack(packed, torch.float32),
+        grad_x = torch.ops.aten.gelu_backward(cast(grad, torch.float32),
+                                              unpack(packed, torch.float32),
                                               approximate=ctx.approximate)
-        return grad_x.to(ctx.input_dtype), None, None
+        return cast(grad_x, ctx.input_dtype), None, None
 
 
 class MesaGELU(MesaModule, nn.GELU):

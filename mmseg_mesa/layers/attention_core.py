@@ -28,7 +28,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
-from .base import DECODE_CHUNK_BYTES, no_autocast_backward, record_input
+from .base import DECODE_CHUNK_BYTES, cast, no_autocast_backward, record_input
 from .dropout import dropout_with_mask
 
 # The quantizers of a module that uses the Function (``MesaModule.mesa_quantizers``): q, k and v
@@ -201,7 +201,7 @@ class MesaAttentionFunction(torch.autograd.Function):
                 grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
         if mask is not None:
             mask = mask.float()
-        g = grad_out.float() if grad_out is not None else None
+        g = cast(grad_out, torch.float32) if grad_out is not None else None
 
         def put(total: torch.Tensor | None, part: torch.Tensor, images: slice,
                 rows: slice | None) -> torch.Tensor:
@@ -264,8 +264,8 @@ class MesaAttentionFunction(torch.autograd.Function):
                              images, None)
             del grad_scores
         if grad_table is not None:
-            grad_table = grad_table.to(table_dtype)
-        return (grad_q.to(q_dtype) if grad_q is not None else None,
-                grad_k.to(k_dtype) if grad_k is not None else None,
-                grad_v.to(v_dtype) if grad_v is not None else None,
+            grad_table = cast(grad_table, table_dtype)
+        return (cast(grad_q, q_dtype) if grad_q is not None else None,
+                cast(grad_k, k_dtype) if grad_k is not None else None,
+                cast(grad_v, v_dtype) if grad_v is not None else None,
                 grad_table, None, None, None, None, None, None)

@@ -119,6 +119,12 @@ class MesaModule:
         return any(t is not None and t.requires_grad for t in tensors)
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, skipping the call where it is a no-op (a backward makes several per
+    layer, and each costs a few us even when it returns ``t``)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def autocast_cast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """Cast like autocast does for its lower-precision ops (linear, conv, matmul).
 
@@ -173,7 +179,7 @@ def no_autocast_backward(backward: Callable) -> Callable:
 
 def restore(saved: torch.Tensor | Codes, dtype: torch.dtype) -> torch.Tensor:
     """What a backward reads of a saved operand: a tensor kept as it is, or decoded codes."""
-    return saved.to(dtype) if isinstance(saved, torch.Tensor) else unpack(saved, dtype)
+    return cast(saved, dtype) if isinstance(saved, torch.Tensor) else unpack(saved, dtype)
 
 
 def operand_gradients(ctx: Any, grad: torch.Tensor, first: int,
@@ -194,7 +200,7 @@ def sum_to(grad: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.T
     """Reduce a broadcast gradient to the shape and dtype of the input it belongs to."""
     if grad.shape != shape:
         grad = grad.sum_to_size(shape)
-    return grad.to(dtype)
+    return cast(grad, dtype)
 
 
 def weighted_forward(ctx: Any, op: Callable[..., torch.Tensor], x: torch.Tensor,
@@ -226,16 +232,16 @@ def weighted_backward(ctx: Any, grad: torch.Tensor,
     Returns one gradient per forward argument (None past the first three).
     """
     packed, weight = load(ctx)
-    grad = grad.to(ctx.compute_dtype)
-    w = weight.to(ctx.compute_dtype)
+    grad = cast(grad, ctx.compute_dtype)
+    w = cast(weight, ctx.compute_dtype)
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[1]:
-        grad_w = summed_over_samples(
-            packed, lambda x, rows: weight_grad(x, grad[rows], w.shape)).to(weight.dtype)
+        grad_w = cast(summed_over_samples(
+            packed, lambda x, rows: weight_grad(x, rows_of(grad, rows), w.shape)), weight.dtype)
     if ctx.needs_input_grad[0]:
-        grad_x = input_grad(grad, w).to(ctx.input_dtype)
+        grad_x = cast(input_grad(grad, w), ctx.input_dtype)
     if ctx.needs_input_grad[2]:
-        grad_b = bias_grad(grad).to(weight.dtype)
+        grad_b = cast(bias_grad(grad), weight.dtype)
     return (grad_x, grad_w, grad_b, *[None] * (len(ctx.needs_input_grad) - 3))
 
 
@@ -257,6 +263,11 @@ def sample_slices(shape: torch.Size, element_bytes: int) -> list[slice]:
     return [slice(start, min(start + step, samples)) for start in range(0, samples, step)]
 
 
+def rows_of(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``t[rows]``; ``t`` itself for all rows (no slicing op)."""
+    return t if rows == slice(None) else t[rows]
+
+
 def summed_over_samples(packed: Codes, product: Callable[[torch.Tensor, slice], torch.Tensor]
                         ) -> torch.Tensor:
     """``product(unpack(packed), slice(None))`` for a product that is a sum over samples (a
@@ -272,7 +283,7 @@ def summed_over_samples(packed: Codes, product: Callable[[torch.Tensor, slice], 
 def channel_dot(a: torch.Tensor, b: torch.Tensor, dims: list[int]) -> torch.Tensor:
     """``(a * b).sum(dims, keepdim=True)`` (``dims`` include 0), multiplying a chunk of samples
     at a time so the product never exists for the whole batch."""
-    return summed((a[rows] * b[rows]).sum(dims, keepdim=True)
+    return summed((rows_of(a, rows) * rows_of(b, rows)).sum(dims, keepdim=True)
                   for rows in sample_slices(a.shape, a.element_size()))
 
 

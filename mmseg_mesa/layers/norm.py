@@ -10,7 +10,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..quantizer import ActivationQuantizer, unpack, without_grad
 from ..saved import load, save
-from .base import MesaModule, channel_dot, no_autocast_backward, record_input
+from .base import MesaModule, cast, channel_dot, no_autocast_backward, record_input
 
 # Moments torch's norms return that are kept as they are; half-precision ones (bf16 or fp16
 # parameters on CPU) are recomputed in fp32 from the input.
@@ -102,16 +102,17 @@ class MesaLayerNormFunction(torch.autograd.Function):
         # where the formula (normalized_input_grad) took seven full-size temporaries.
         flat = torch.zeros(rstd.shape, dtype=torch.float32, device=rstd.device)
         grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
-            grad.float(), x_norm, ctx.normalized_shape, flat, flat.add(1.0),
-            None if weight is None else weight.float(), None if bias is None else bias.float(),
+            cast(grad, torch.float32), x_norm, ctx.normalized_shape, flat, flat.add(1.0),
+            None if weight is None else cast(weight, torch.float32),
+            None if bias is None else cast(bias, torch.float32),
             [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
              bias is not None and ctx.needs_input_grad[3]])
         if grad_x is not None:
-            grad_x = grad_x.mul_(rstd).to(ctx.input_dtype)
+            grad_x = cast(grad_x.mul_(rstd), ctx.input_dtype)
         if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+            grad_w = cast(grad_w, weight.dtype)
         if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
+            grad_b = cast(grad_b, bias.dtype)
         return grad_x, None, grad_w, grad_b, None, None
 
 
@@ -169,7 +170,7 @@ class MesaBatchNormFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, invstd, weight, bias = load(ctx)
-        g = grad.float()
+        g = cast(grad, torch.float32)
         dims = [0] + list(range(2, g.dim()))
         x_norm = standardize(unpack(packed, torch.float32), dims, invstd, ctx.eps)
         sum_dy = g.sum(dims, keepdim=True)
@@ -177,12 +178,12 @@ class MesaBatchNormFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             count = g.numel() / g.shape[1]
-            grad_x = batch_norm_grads(g, x_norm, invstd, weight, sum_dy, sum_dy_xnorm,
-                                      count).to(ctx.input_dtype)
+            grad_x = cast(batch_norm_grads(g, x_norm, invstd, weight, sum_dy, sum_dy_xnorm,
+                                           count), ctx.input_dtype)
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = sum_dy_xnorm.flatten().to(weight.dtype)
+            grad_w = cast(sum_dy_xnorm.flatten(), weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
-            grad_b = sum_dy.flatten().to(bias.dtype)
+            grad_b = cast(sum_dy.flatten(), bias.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
