@@ -120,6 +120,10 @@ def kernels_for(x: torch.Tensor, backend: str) -> ModuleType | None:
     global _WARNED
     if backend == 'torch':
         return None
+    if x.is_cpu and backend == 'auto':  # the usual case, first: every pack and unpack asks
+        ext = load_extension()[0]
+        if ext is not None:
+            return ext
     if not x.is_cuda:
         if backend == 'cuda':
             raise RuntimeError("mesa backend='cuda' needs CUDA tensors; got a tensor on "

@@ -75,8 +75,8 @@ def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
         return observe_then_quantize(x, lower, span, seen, group_dim, group_size, decay, bits,
                                      stochastic, pack, counter)
     seed = offset = 0
-    if stochastic:
-        seed, offset = counter if counter is not None else rounding_counter(x.device, x.numel())
+    if stochastic:  # 'cpu', not x.device: a device object costs a few us per call
+        seed, offset = counter if counter is not None else rounding_counter('cpu', x.numel())
     return _ops.observe_quantize(x, lower, span, seen, mean, rstd, group_dim, group_size, decay,
                                  bits, stochastic, _int64(seed), _int64(offset), pack)
 

@@ -173,10 +173,13 @@ class ActivationQuantizer(nn.Module):
         return (f'bits={s.bits}, group_dim={s.group_dim}, group_size={s.group_size}, '
                 f'stochastic={s.stochastic}, ema_decay={s.ema_decay}')
 
-    def _ensure_groups(self, groups: int, device: torch.device) -> None:
+    def _ensure_groups(self, groups: int, x: torch.Tensor) -> None:
+        """Size the estimates for ``groups`` groups on ``x``'s device (kept when they are)."""
         lower = self._buffers['lower']  # not Module.__getattr__: every pack asks
-        if lower.numel() == groups and lower.device == device:
+        # is_cpu first: building device objects costs a few us per pack
+        if lower.numel() == groups and ((lower.is_cpu and x.is_cpu) or lower.device == x.device):
             return
+        device = x.device
         for name in ('lower', 'span', 'seen'):
             buf = getattr(self, name)
             if buf.device != device:
@@ -188,7 +191,7 @@ class ActivationQuantizer(nn.Module):
         """Update the running estimates with one batch; return this batch's ``(2, G)`` range."""
         group_dim = self.spec.group_dim % x.dim()
         groups = self.spec.num_groups(x.shape[group_dim])
-        self._ensure_groups(groups, x.device)
+        self._ensure_groups(groups, x)
         kernel = _backend.kernels_for(x, self.spec.backend)
         with without_grad():
             if kernel is not None:
@@ -207,7 +210,7 @@ class ActivationQuantizer(nn.Module):
                 # lower gets its own storage: the saved Packed should not pin the span row too
                 return pack(x.detach(), spec, cover[0].clone(), cover[1])
         group_dim = spec.group_dim % x.dim()
-        self._ensure_groups(spec.num_groups(x.shape[group_dim]), x.device)
+        self._ensure_groups(spec.num_groups(x.shape[group_dim]), x)
         buffers = self._buffers
         data, lower, scale = kernel.observe_quantize(
             x.detach().contiguous(), buffers['lower'], buffers['span'], buffers['seen'],
@@ -233,10 +236,10 @@ class ActivationQuantizer(nn.Module):
                 f'pack_standardized needs one group per channel of dim {group_dim} and one '
                 f'mean and rstd per group; got group_size={self.spec.group_size}, {groups} '
                 f'groups, {mean.numel()} means, {rstd.numel()} rstds')
-        self._ensure_groups(groups, x.device)
+        self._ensure_groups(groups, x)
         mean, rstd = mean.detach().reshape(-1).float(), rstd.detach().reshape(-1).float()
         kernel = _backend.kernels_for(x, self.spec.backend)
-        if kernel is not None and kernel.fuses(x.device):
+        if kernel is not None and x.is_cpu:  # the fused kernel (kernels.fuses)
             data, lower, scale = kernel.observe_quantize(
                 x.detach().contiguous(), self.lower, self.span, self.seen, group_dim, 1,
                 self.spec.ema_decay, self.spec.bits, self.spec.stochastic, pack=True,

@@ -28,6 +28,7 @@ class _Stream:
 
 
 _STREAMS: dict[torch.device, _Stream] = {}
+_CPU = torch.device('cpu')
 
 
 def _device_key(device: torch.device | str) -> torch.device:
@@ -49,7 +50,7 @@ def rounding_counter(device: torch.device | str, numel: int) -> tuple[int, int]:
     that starts with ``torch.manual_seed`` (as mmengine does) is reproducible. Re-seeding with
     the same seed inside one process does not restart it; ``reset_rounding_generators`` does.
     """
-    key = _device_key(device)
+    key = _CPU if device == 'cpu' or device == _CPU else _device_key(device)
     torch_seed = torch.cuda.initial_seed() if key.type == 'cuda' else torch.initial_seed()
     stream = _STREAMS.get(key)
     if stream is None or stream.torch_seed != torch_seed:

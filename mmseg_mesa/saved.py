@@ -22,7 +22,7 @@ def _mask_kernels(t: torch.Tensor) -> ModuleType | None:
     """The compiled kernels for a mask on ``t``'s device: CPU only, when the extension is
     loaded (one call, where ``bitpack``'s torch ops take a dozen: most of what a small mask
     costs to pack)."""
-    if t.device.type != 'cpu':
+    if not t.is_cpu:
         return None
     return _backend.load_extension()[0]
 

@@ -110,7 +110,7 @@ def test_build_without_cuda_kernels_falls_back_for_cuda_tensors(monkeypatch):
     monkeypatch.setattr(_backend, 'build_info', lambda: SimpleNamespace(
         CUDA_SKIP_REASON='not built: torch 2.13.0+cpu has no CUDA support'))
     monkeypatch.setattr(_backend, '_WARNED', False)
-    fake_cuda = SimpleNamespace(is_cuda=True, device=torch.device('cuda', 0))
+    fake_cuda = SimpleNamespace(is_cuda=True, is_cpu=False, device=torch.device('cuda', 0))
     with pytest.warns(UserWarning, match='has no CUDA kernels .not built: torch 2.13.0'):
         assert _backend.kernels_for(fake_cuda, 'auto') is None
     with pytest.raises(RuntimeError, match='has no CUDA kernels'):
@@ -142,7 +142,7 @@ def test_arch_coverage(archs, capability, covered):
 def test_auto_falls_back_with_one_warning_and_cuda_raises(monkeypatch):
     monkeypatch.setattr(_backend, 'load_extension', lambda: (None, 'not built: test'))
     monkeypatch.setattr(_backend, '_WARNED', False)
-    fake_cuda = SimpleNamespace(is_cuda=True, device=torch.device('cuda', 0))
+    fake_cuda = SimpleNamespace(is_cuda=True, is_cpu=False, device=torch.device('cuda', 0))
     with pytest.warns(UserWarning, match='not built: test'):
         assert _backend.kernels_for(fake_cuda, 'auto') is None
     with warnings.catch_warnings():

@@ -116,7 +116,16 @@ class MesaModule:
         """Compress only when something will be saved for backward in a training step."""
         if not (self.training and self.mesa_config.enabled and torch.is_grad_enabled()):  # type: ignore[attr-defined]
             return False
-        return any(t is not None and t.requires_grad for t in tensors)
+        for t in tensors:  # a loop, not any() over a generator: every layer call asks
+            if t is not None and t.requires_grad:
+                return True
+        return False
+
+
+def device_type(t: torch.Tensor) -> str:
+    """``t.device.type``, without building a device object for CPU tensors (a few us, and every
+    layer call asks)."""
+    return 'cpu' if t.is_cpu else t.device.type
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -132,10 +141,10 @@ def autocast_cast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, .
     outputs and tells us the dtype the backward must use.
     """
     first = next(t for t in tensors if t is not None)
-    device_type = first.device.type
-    if not torch.is_autocast_enabled(device_type):
+    kind = device_type(first)
+    if not torch.is_autocast_enabled(kind):
         return tensors
-    dtype = torch.get_autocast_dtype(device_type)
+    dtype = torch.get_autocast_dtype(kind)
     return tuple(t.to(dtype) if t is not None and t.is_floating_point()
                  and t.dtype != torch.float64 else t for t in tensors)
 
@@ -144,7 +153,7 @@ def record_input(ctx: Any, x: torch.Tensor) -> None:
     """Record what every Mesa backward reads of its forward's input ``x``: ``ctx.device_type``
     (``no_autocast_backward`` turns autocast off there) and ``ctx.input_dtype`` (the dtype of
     the input gradient)."""
-    ctx.device_type = x.device.type
+    ctx.device_type = device_type(x)
     ctx.input_dtype = x.dtype
 
 
@@ -255,7 +264,7 @@ DECODE_CHUNK_BYTES = 32 << 20
 def sample_slices(shape: torch.Size, element_bytes: int) -> list[slice]:
     """Consecutive slices of dim 0 whose full-size temporaries stay under
     ``DECODE_CHUNK_BYTES`` (one slice when the whole tensor does, at least one sample each)."""
-    if len(shape) < 2:
+    if len(shape) < 2 or shape.numel() * element_bytes <= DECODE_CHUNK_BYTES:
         return [slice(None)]
     samples = shape[0]
     chunks = min(samples, -(-shape.numel() * element_bytes // DECODE_CHUNK_BYTES))
@@ -273,7 +282,7 @@ def summed_over_samples(packed: Codes, product: Callable[[torch.Tensor, slice], 
     """``product(unpack(packed), slice(None))`` for a product that is a sum over samples (a
     weight gradient), computed as the fp32 sum of ``product(x[rows], rows)`` over chunks of rows
     when the input is large. ``rows`` is what the caller slices the gradient with."""
-    slices = sample_slices(packed.shape, torch.finfo(packed.dtype).bits // 8)
+    slices = sample_slices(packed.shape, packed.dtype.itemsize)
     parts = [packed.sample_range(rows.start, rows.stop) for rows in slices if len(slices) > 1]
     if not parts or any(part is None for part in parts):
         return product(unpack(packed), slice(None))

@@ -16,7 +16,7 @@ def dropout_with_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Te
     Same random draws as torch: the fused ``native_dropout`` on accelerators, Bernoulli noise
     on the CPU, so a seeded run gives bit-identical outputs.
     """
-    if x.device.type != 'cpu':
+    if not x.is_cpu:
         return torch.native_dropout(x, p, True)
     noise = torch.empty_like(x).bernoulli_(1 - p)
     mask = noise != 0

@@ -10,7 +10,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..quantizer import ActivationQuantizer, unpack, without_grad
 from ..saved import load, save
-from .base import MesaModule, cast, channel_dot, no_autocast_backward, record_input
+from .base import (
+    MesaModule,
+    cast,
+    channel_dot,
+    device_type,
+    no_autocast_backward,
+    record_input,
+)
 
 # Moments torch's norms return that are kept as they are; half-precision ones (bf16 or fp16
 # parameters on CPU) are recomputed in fp32 from the input.
@@ -49,7 +56,7 @@ def layer_norm_with_moments(x: torch.Tensor, normalized_shape: tuple, weight: to
     Under autocast (``F.layer_norm`` has its own cast rule there) or where torch keeps the
     moments in half precision (bf16 on CPU), they are computed in fp32 as before.
     """
-    if not torch.is_autocast_enabled(x.device.type):
+    if not torch.is_autocast_enabled(device_type(x)):
         y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         if mean.dtype in WIDE_MOMENTS:
             return y, mean, rstd
@@ -199,7 +206,7 @@ def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
     costs more than the whole batch norm there. Elsewhere (cuDNN's kernels, autocast's cast
     rules) they are computed in fp32.
     """
-    if x.device.type == 'cpu' and not torch.is_autocast_enabled('cpu'):
+    if x.is_cpu and not torch.is_autocast_enabled('cpu'):
         if x.numel() == x.shape[1]:  # F.batch_norm's own check; native_batch_norm has none
             raise ValueError('Expected more than 1 value per channel when training, got input '
                              f'size {x.size()}')
