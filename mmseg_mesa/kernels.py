@@ -48,10 +48,11 @@ def observe(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor, seen: torc
     return _ops.observe(x, lower, span, seen, group_dim, group_size, decay)
 
 
-def fuses(device: torch.device) -> bool:
-    """Whether ``observe_quantize`` is one fused kernel on ``device`` (it is on CPU; elsewhere
-    it runs ``observe`` and ``quantize`` in turn and takes no ``mean`` / ``rstd``)."""
-    return device.type == 'cpu'
+def fuses(x: torch.Tensor) -> bool:
+    """Whether ``observe_quantize`` is one fused kernel for ``x`` (it is on CPU; elsewhere it
+    runs ``observe`` and ``quantize`` in turn and takes no ``mean`` / ``rstd``). Asked of the
+    tensor: a device object costs a few us, and every pack asks."""
+    return x.is_cpu
 
 
 def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
@@ -69,7 +70,7 @@ def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
     On CPU one kernel does it all: the per-call cost of the small ops in between is most of
     what a small layer pays for Mesa.
     """
-    if not fuses(x.device):
+    if not fuses(x):
         if mean is not None or rstd is not None:
             raise ValueError(f'observe_quantize: mean and rstd need CPU tensors, got {x.device}')
         return observe_then_quantize(x, lower, span, seen, group_dim, group_size, decay, bits,

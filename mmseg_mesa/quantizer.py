@@ -239,7 +239,7 @@ class ActivationQuantizer(nn.Module):
         self._ensure_groups(groups, x)
         mean, rstd = mean.detach().reshape(-1).float(), rstd.detach().reshape(-1).float()
         kernel = _backend.kernels_for(x, self.spec.backend)
-        if kernel is not None and x.is_cpu:  # the fused kernel (kernels.fuses)
+        if kernel is not None and kernel.fuses(x):
             data, lower, scale = kernel.observe_quantize(
                 x.detach().contiguous(), self.lower, self.span, self.seen, group_dim, 1,
                 self.spec.ema_decay, self.spec.bits, self.spec.stochastic, pack=True,
