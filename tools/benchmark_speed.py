@@ -7,7 +7,10 @@
 Every mode's model is built from the same weights (tools/benchmark_memory.py's builders and
 modes) and takes one training step (forward, backward, the config's optimizer step) in turn,
 ``--iters`` rounds after ``--warmup`` rounds, so that a slow spell of a shared machine falls on
-every mode alike. Prints the median step time per mode and its ratio to ``baseline``.
+every mode alike. Prints the median step time per mode and its ratio to ``baseline``: the
+median over rounds of the mode's step time over the baseline's in the same round, which a
+machine whose speed drifts from round to round (a virtual machine's neighbours) shifts less
+than the ratio of the two medians (also recorded, as ``ratio_of_medians``).
 ``--profile MODE`` also records one forward + backward step of that mode with torch.profiler and
 prints the operators that take the most self time. ``mmseg_mesa`` is imported as installed (or
 from ``PYTHONPATH``), so the same command measures another checkout.
@@ -91,11 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
                 times[mode].append(time.perf_counter() - start)
     medians = {mode: statistics.median(t) for mode, t in times.items()}
     baseline = medians.get('baseline')
+    paired = {mode: statistics.median(t / b for t, b in zip(times[mode], times['baseline']))
+              for mode in args.modes} if baseline else {}
     results = dict(config=osp.relpath(args.config, ROOT), device=args.device, batch=args.batch,
                    size=list(size), iters=args.iters, warmup=args.warmup,
                    threads=torch.get_num_threads(), torch=torch.__version__, modes={
                        mode: dict(step_time_s=medians[mode], times_s=times[mode],
-                                  ratio=medians[mode] / baseline if baseline else None)
+                                  ratio=paired.get(mode),
+                                  ratio_of_medians=medians[mode] / baseline if baseline else None)
                        for mode in args.modes})
     print(f'{results["config"]}: batch {args.batch}, {size[0]}x{size[1]}, {args.device}, '
           f'{torch.get_num_threads()} threads, median of {args.iters} steps')

@@ -231,18 +231,33 @@ def weighted_forward(ctx: Any, op: Callable[..., torch.Tensor], x: torch.Tensor,
 def weighted_backward(ctx: Any, grad: torch.Tensor,
                       input_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                       weight_grad: Callable[[torch.Tensor, torch.Tensor, torch.Size], torch.Tensor],
-                      bias_grad: Callable[[torch.Tensor], torch.Tensor]) -> tuple:
+                      bias_grad: Callable[[torch.Tensor], torch.Tensor],
+                      joint: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]],
+                                      tuple] | None = None) -> tuple:
     """The backward of ``weighted_forward``, given the layer's three gradient formulas.
 
     ``input_grad(grad, weight)``, ``weight_grad(x, grad, weight_shape)`` (a sum over samples:
     ``x`` is decoded a few samples at a time when it is large, ``summed_over_samples``) and
     ``bias_grad(grad)`` get the gradient and the weight in the compute dtype. The weight gradient
     comes first, so the decoded input is freed before the input gradient (as large) is made.
+    ``joint(x, grad, weight, [input, weight, bias wanted])``, where given, computes all three in
+    one call (a convolution's backward kernel shares its work between them); it runs instead
+    when the decoded input is at most ``FUSED_BACKWARD_BYTES``, small enough for it and the
+    input gradient to be alive together.
     Returns one gradient per forward argument (None past the first three).
     """
     packed, weight = load(ctx)
     grad = cast(grad, ctx.compute_dtype)
     w = cast(weight, ctx.compute_dtype)
+    needs = ctx.needs_input_grad
+    if (joint is not None and needs[1]
+            and packed.shape.numel() * 4 <= FUSED_BACKWARD_BYTES):
+        grad_x, grad_w, grad_b = joint(unpack(packed, grad.dtype), grad, w,
+                                       [needs[0], True, needs[2]])
+        return (None if grad_x is None else cast(grad_x, ctx.input_dtype),
+                cast(grad_w, weight.dtype),
+                None if grad_b is None else cast(grad_b, weight.dtype),
+                *[None] * (len(needs) - 3))
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[1]:
         grad_w = cast(summed_over_samples(
@@ -259,6 +274,11 @@ def weighted_backward(ctx: Any, grad: torch.Tensor,
 # of products multiplies by samples (decoding UPerNet's bottleneck input whole in fp32 would be
 # the peak of backward, docs/benchmarks.md).
 DECODE_CHUNK_BYTES = 32 << 20
+# Below this many bytes of fp32 input, a backward runs torch's fused kernels (a convolution's
+# joint backward, batch norm's), whose extra full-size temporaries cost less than the dozen
+# small passes of the in-place formulas; above it, memory comes first (the decoded input freed
+# before the input gradient exists, products by chunks of samples).
+FUSED_BACKWARD_BYTES = 2 << 20
 
 
 def sample_slices(shape: torch.Size, element_bytes: int) -> list[slice]:

@@ -51,10 +51,17 @@ class MesaConv2dFunction(torch.autograd.Function):
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, w, grad, *ctx.conv_args)
             return unpad_grad(grad_x, *ctx.explicit_pad) if ctx.explicit_pad else grad_x
 
+        def joint(x: torch.Tensor, grad: torch.Tensor, w: torch.Tensor, needs: list[bool]
+                  ) -> tuple:
+            stride, padding, dilation, groups = ctx.conv_args
+            return torch.ops.aten.convolution_backward(
+                grad, x, w, [w.shape[0]] if needs[2] else None, stride, padding, dilation,
+                False, [0, 0], groups, needs)
+
         return weighted_backward(
             ctx, grad, input_grad,
             lambda x, grad, shape: torch.nn.grad.conv2d_weight(x, shape, grad, *ctx.conv_args),
-            conv_bias_grad)
+            conv_bias_grad, None if ctx.explicit_pad else joint)
 
 
 class MesaConv2d(MesaModule, nn.Conv2d):

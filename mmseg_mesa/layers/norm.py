@@ -11,6 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..quantizer import ActivationQuantizer, unpack, without_grad
 from ..saved import load, save
 from .base import (
+    FUSED_BACKWARD_BYTES,
     MesaModule,
     cast,
     channel_dot,
@@ -178,6 +179,9 @@ class MesaBatchNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, invstd, weight, bias = load(ctx)
         g = cast(grad, torch.float32)
+        if g.numel() * 4 <= FUSED_BACKWARD_BYTES:
+            return fused_batch_norm_backward(ctx, g, unpack(packed, torch.float32), invstd,
+                                             weight, bias)
         dims = [0] + list(range(2, g.dim()))
         x_norm = standardize(unpack(packed, torch.float32), dims, invstd, ctx.eps)
         sum_dy = g.sum(dims, keepdim=True)
@@ -192,6 +196,41 @@ class MesaBatchNormFunction(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = cast(sum_dy.flatten(), bias.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def fused_batch_norm_backward(ctx: Any, g: torch.Tensor, decoded: torch.Tensor,
+                              invstd: torch.Tensor, weight: torch.Tensor | None,
+                              bias: torch.Tensor | None) -> tuple:
+    """``MesaBatchNormFunction.backward`` for a tensor below ``FUSED_BACKWARD_BYTES``: the same
+    formulas as the chunked, in-place path, through torch's fused batch-norm kernels.
+
+    ``native_batch_norm`` re-standardizes the decoded values (``standardize``: its weight is the
+    target spread, its epsilon only keeps a constant channel finite), and
+    ``native_batch_norm_backward`` with mean 0 and 1/std 1 normalizes nothing, so its input
+    gradient is ``batch_norm_grads``' once its weight is ``invstd * weight``. Two fused passes
+    each, where the in-place formulas take a dozen small ones; its two extra full-size tensors
+    are why large inputs take the other path.
+    """
+    flat_invstd = invstd.reshape(-1)
+    target = (1.0 - ctx.eps * flat_invstd.square()).clamp_min(0.0).sqrt()
+    x_norm = torch.native_batch_norm(decoded, target, None, None, None, True, 0.0,
+                                     RESTANDARDIZE_EPS)[0]
+    del decoded
+    scale = flat_invstd if weight is None else flat_invstd * weight.float()
+    zeros = torch.zeros_like(flat_invstd)
+    needs = ctx.needs_input_grad
+    grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
+        g, x_norm, scale, None, None, zeros, zeros.add(1.0), True, 0.0,
+        [needs[0], weight is not None and needs[1], bias is not None and needs[2]])
+    return (None if grad_x is None else cast(grad_x, ctx.input_dtype),
+            None if grad_w is None else cast(grad_w, weight.dtype),
+            None if grad_b is None else cast(grad_b, bias.dtype),
+            None, None, None, None, None)
+
+
+# What re-standardizing adds to a channel's variance before its square root: far below any
+# variance the codes can have (a constant channel has 0 and stays 0 times a large factor).
+RESTANDARDIZE_EPS = 1e-30
 
 
 def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
