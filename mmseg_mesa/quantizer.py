@@ -117,8 +117,9 @@ def attach_codes(x: torch.Tensor, packed: Codes) -> None:
     """Offer ``packed`` (codes that decode to ``x``) to the next layer that saves ``x``.
 
     An attention map is saved by its softmax and again by ``attn @ v``; a GELU's input is saved by
-    the GELU, and its output by the next Linear. With the codes attached to the tensor, one copy
-    serves both (``attached_codes``).
+    the GELU, and its output by the next Linear; a LayerNorm's normalized input by the norm, and
+    its output (a per-channel affine of it) by the next Linear. With the codes attached to the
+    tensor, one copy serves both (``attached_codes``).
     """
     x._mesa_codes = (packed, x._version)  # type: ignore[attr-defined]
 

@@ -313,6 +313,55 @@ def test_linear_after_gelu_saves_its_input_as_the_gelus_codes():
         assert error < 2 * (own.grad - want.grad).norm() / want.grad.norm() + 1e-4
 
 
+def _norm_linear_step(modify_output=False, affine=True, layer_bits=None):
+    """LayerNorm -> Linear (a transformer's norm and first MLP layer), converted, one step."""
+    from mmseg_mesa.memory import count_saved_tensors
+    torch.manual_seed(0)
+    exact = nn.Sequential(nn.LayerNorm(32, elementwise_affine=affine), nn.Linear(32, 64))
+    if affine:  # a trained norm's affine: signs and scales differ by channel
+        nn.init.uniform_(exact[0].weight, -2.0, 2.0)
+        nn.init.uniform_(exact[0].bias, -1.0, 1.0)
+    model = copy.deepcopy(exact)
+    convert_to_mesa(model, config=MesaConfig(layer_bits=layer_bits or {}))
+    x = (torch.randn(4, 64, 32) * torch.linspace(0.1, 3.0, 32) + 1.0).requires_grad_()
+    grad = torch.randn(4, 64, 64)
+    with count_saved_tensors(model) as report:
+        normed = model[0](x)
+        if modify_output:
+            normed = normed.mul_(1.0)  # an in-place change: the norm's codes no longer match
+        out = model[1](normed)
+        out.backward(grad)
+    assert torch.equal(out, exact(x))
+    exact(x).backward(grad)
+    return report, model, exact
+
+
+@pytest.mark.parametrize('affine', [True, False])
+def test_linear_after_layernorm_saves_its_input_as_the_norms_codes(affine):
+    """The Linear after a LayerNorm reads ``x_norm * weight + bias``: a per-channel affine of the
+    normalized input, whose codes LayerNorm keeps anyway. The Linear saves its input as those
+    codes mapped through the affine, and its gradients stay as close as with codes of its own."""
+    report, model, exact = _norm_linear_step(affine=affine)
+    modified, model_own, _ = _norm_linear_step(modify_output=True, affine=affine)
+    codes = 4 * 64 * 32  # uint8 codes of the normalized tokens
+    assert report.by_type['LayerNorm'] >= codes
+    assert report.by_type['Linear'] == 0  # its input's codes are the norm's
+    assert modified.by_type['Linear'] >= codes  # changed in place: the Linear packed its own
+    for shared, own, want in zip(model.parameters(), model_own.parameters(),
+                                 exact.parameters()):
+        assert cosine(shared.grad, want.grad) > 0.9999
+        error = (shared.grad - want.grad).norm() / want.grad.norm()
+        assert error < 2 * (own.grad - want.grad).norm() / want.grad.norm() + 1e-4
+
+
+def test_layernorm_codes_serve_a_linear_only_at_its_bit_width():
+    """At another width (``max-saving``'s 4-bit LayerNorm) the Linear keeps 8-bit codes of its
+    own: reusing the norm's would store its input at 4 bits."""
+    report, model, exact = _norm_linear_step(layer_bits={'layernorm': 4})
+    assert report.by_type['Linear'] >= 4 * 64 * 32
+    assert cosine(model[1].weight.grad, exact[1].weight.grad) > 0.9999
+
+
 def test_mapped_codes_decode_to_the_function_of_the_codes():
     from mmseg_mesa.quantizer import ActivationQuantizer, Mapped, QuantSpec, sample_range, unpack
     x = torch.randn(3, 5, 8)

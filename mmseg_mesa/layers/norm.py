@@ -1,6 +1,8 @@
 """LayerNorm and BatchNorm saving their `bits`-bit normalized inputs and exact 1/std."""
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -8,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..quantizer import ActivationQuantizer, unpack, without_grad
+from ..codes import Codes
+from ..quantizer import ActivationQuantizer, Mapped, Packed, attach_codes, unpack, without_grad
 from ..saved import load, save
 from .base import (
     FUSED_BACKWARD_BYTES,
@@ -96,8 +99,11 @@ class MesaLayerNormFunction(torch.autograd.Function):
         ctx.normalized_shape = normalized_shape
         y, mean, rstd = layer_norm_with_moments(x, normalized_shape, weight, bias, eps)
         x_norm = standardized(x, mean, rstd)
-        save(ctx, quantizer.pack(x_norm), rstd, weight, bias)
+        packed = quantizer.pack(x_norm)
         del x_norm
+        save(ctx, packed, rstd, weight, bias)
+        if isinstance(packed, Packed):  # a Linear reading y saves it as these codes
+            attach_codes(y, affine_codes(packed, weight, bias, y.dtype))
         return y
 
     @staticmethod
@@ -122,6 +128,26 @@ class MesaLayerNormFunction(torch.autograd.Function):
         if grad_b is not None:
             grad_b = cast(grad_b, bias.dtype)
         return grad_x, None, grad_w, grad_b, None, None
+
+
+def elementwise_affine(weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       x_norm: torch.Tensor) -> torch.Tensor:
+    """``x_norm * weight + bias`` (each optional), in place on a freshly decoded ``x_norm``."""
+    if weight is not None:
+        x_norm = x_norm.mul_(weight)
+    return x_norm if bias is None else x_norm.add_(bias)
+
+
+def affine_codes(packed: Packed, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> Codes:
+    """LayerNorm's output as the codes of its normalized input: the affine is per channel, so
+    quantizing ``x_norm`` per channel and mapping the codes through it is quantizing the output
+    per channel over the mapped range (one step times ``|weight|``), without a second copy.
+    The affine is copied (fp32), so an in-place update of the Parameters cannot change it."""
+    if weight is None and bias is None:
+        return replace(packed, dtype=dtype)
+    fp32 = [None if t is None else t.detach().to(torch.float32, copy=True) for t in (weight, bias)]
+    return Mapped(packed, functools.partial(elementwise_affine, *fp32), dtype)
 
 
 class MesaLayerNorm(MesaModule, nn.LayerNorm):
