@@ -234,8 +234,8 @@ def fused_batch_norm_backward(ctx: Any, g: torch.Tensor, decoded: torch.Tensor,
     target spread, its epsilon only keeps a constant channel finite), and
     ``native_batch_norm_backward`` with mean 0 and 1/std 1 normalizes nothing, so its input
     gradient is ``batch_norm_grads``' once its weight is ``invstd * weight``. Two fused passes
-    each, where the in-place formulas take a dozen small ones; its two extra full-size tensors
-    are why large inputs take the other path.
+    each, where the in-place formulas take a dozen small ones; it holds two full-size fp32
+    tensors at a time where they hold one, which is why large inputs take the other path.
     """
     flat_invstd = invstd.reshape(-1)
     target = (1.0 - ctx.eps * flat_invstd.square()).clamp_min(0.0).sqrt()
