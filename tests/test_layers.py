@@ -148,7 +148,6 @@ def test_batchnorm_updates_running_statistics_and_checks_its_input_as_torch_does
     assert str(got.value) == str(expected.value)
 
 
-
 def small_and_large_backward(monkeypatch, layer, x, grad, owner, sequential_step):
     """The gradients of ``layer`` (input, then parameters) with the fused backward of small
     tensors and with the in-place, chunked one, from the same codes and rounding draws; each
@@ -225,6 +224,7 @@ def test_small_batchnorm_backward_through_torch_kernels_matches_the_in_place_one
     want = torch.autograd.grad(torch.nn.functional.batch_norm(
         x, None, None, layer.weight, layer.bias, True, 0.0, layer.eps), x, grad)[0]
     assert cosine(fused[0], want) > 0.999
+
 
 @pytest.mark.parametrize('bits', [8, 4])
 def test_layernorm_gradients_hold_for_tokens_of_any_spread(bits):

@@ -238,8 +238,8 @@ def fused_batch_norm_backward(ctx: Any, g: torch.Tensor, decoded: torch.Tensor,
     tensors at a time where they hold one, which is why large inputs take the other path.
     """
     flat_invstd = invstd.reshape(-1)
-    target = (1.0 - ctx.eps * flat_invstd.square()).clamp_min(0.0).sqrt()
-    x_norm = torch.native_batch_norm(decoded, target, None, None, None, True, 0.0,
+    spread = normalized_variance(flat_invstd, ctx.eps).sqrt()
+    x_norm = torch.native_batch_norm(decoded, spread, None, None, None, True, 0.0,
                                      RESTANDARDIZE_EPS)[0]
     del decoded
     scale = flat_invstd if weight is None else flat_invstd * weight.float()
@@ -252,11 +252,6 @@ def fused_batch_norm_backward(ctx: Any, g: torch.Tensor, decoded: torch.Tensor,
             None if grad_w is None else cast(grad_w, weight.dtype),
             None if grad_b is None else cast(grad_b, bias.dtype),
             None, None, None, None, None)
-
-
-# What re-standardizing adds to a channel's variance before its square root: far below any
-# variance the codes can have (a constant channel has 0 and stays 0 times a large factor).
-RESTANDARDIZE_EPS = 1e-30
 
 
 def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
@@ -313,14 +308,25 @@ def standardize(x_norm: torch.Tensor, dims: list[int], invstd: torch.Tensor,
     return x_norm.mul_(standardize_scale(var, invstd, eps))
 
 
+# The least variance re-standardizing divides by (``standardize_scale`` clamps to it, the fused
+# batch-norm backward adds it): far below any variance the codes can have; a constant channel
+# has 0 and stays 0 times a large factor.
+RESTANDARDIZE_EPS = 1e-30
+
+
+def normalized_variance(invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """The variance of ``x_norm = (x - mean) * invstd``: ``var / (var + eps) = 1 - eps *
+    invstd**2`` (clamped at 0 against rounding)."""
+    return (1.0 - eps * invstd.square()).clamp_min(0.0)
+
+
 def standardize_scale(var: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
     """The factor that gives centred values of variance ``var`` the variance of ``x_norm``.
 
     Separate from ``standardize`` so that SyncBatchNorm can apply it with moments all-reduced
     over the process group.
     """
-    target = (1.0 - eps * invstd.square()).clamp_min(0.0)
-    return torch.sqrt(target / var.clamp_min(1e-30))
+    return torch.sqrt(normalized_variance(invstd, eps) / var.clamp_min(RESTANDARDIZE_EPS))
 
 
 def batch_norm_momentum(bn: _BatchNorm) -> float:
