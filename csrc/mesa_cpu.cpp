@@ -253,9 +253,10 @@ __attribute__((target("avx2"))) void philox_uniforms_avx2(uint64_t seed, uint64_
   }
 }
 
-// Whether stochastic rounding draws with AVX2: torch's CPU capability (which honours
-// ATEN_CPU_CAPABILITY, so CI can run the portable loop too) is AVX2 or above.
-bool draws_with_avx2() {
+// Whether the AVX2 loops run (stochastic rounding's draws, pack_positive): torch's CPU
+// capability (which honours ATEN_CPU_CAPABILITY, so CI can run the portable loops too) is AVX2
+// or above.
+bool runs_avx2() {
   static const bool avx2 = [] {
     const std::string capability = at::get_cpu_capability();
     return (capability == "AVX2" || capability == "AVX512") && __builtin_cpu_supports("avx2");
@@ -279,7 +280,7 @@ inline const float* tile_uniforms(uint64_t seed, uint64_t offset, int64_t begin,
   const uint64_t first = static_cast<uint64_t>(begin) >> 2;
   const uint64_t blocks = ((static_cast<uint64_t>(begin + count) + 3) >> 2) - first;
 #ifdef MESA_X86_SIMD
-  if (draws_with_avx2()) {
+  if (runs_avx2()) {
     philox_uniforms_avx2(seed, offset + first, blocks, buffer);
     return buffer + (begin & 3);
   }
@@ -648,6 +649,135 @@ at::Tensor unpack_mask_cpu(const at::Tensor& bytes, at::IntArrayRef shape) {
     }
   });
   return mask;
+}
+
+#ifdef MESA_X86_SIMD
+// Bytes [first, last) of pack_positive for float32, all of them whole: one compare and one
+// movemask per byte (bit j of the movemask is lane j, bitpack's order).
+__attribute__((target("avx2"))) void pack_positive_avx2(const float* in, uint8_t* out,
+                                                         int64_t first, int64_t last) {
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t i = first; i < last; ++i) {
+    const __m256 lane = _mm256_loadu_ps(in + 8 * i);
+    out[i] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(lane, zero, _CMP_GT_OQ)));
+  }
+}
+#endif
+
+// pack_mask of `x > 0` for a floating-point x, without the bool tensor in between (ReLU's mask
+// of its output). NaN is not positive.
+at::Tensor pack_positive_cpu(const at::Tensor& x) {
+  constexpr const char* op = "mmseg_mesa::pack_positive";
+  check_contiguous(op, "x", x, c10::DeviceType::CPU);
+  TORCH_CHECK(is_supported_float(x.scalar_type()), op,
+              ": x must be float32, float16, bfloat16 or float64, got ", x.scalar_type());
+  const int64_t numel = x.numel();
+  at::Tensor bytes = at::empty({(numel + 7) / 8}, x.options().dtype(at::kByte));
+  uint8_t* out = bytes.mutable_data_ptr<uint8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    const scalar_t zero(0);
+    at::parallel_for(0, bytes.numel(), kGrainElements / 8, [&](int64_t first, int64_t last) {
+#ifdef MESA_X86_SIMD
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (runs_avx2()) {
+          const int64_t whole = std::min(last, numel / 8);
+          pack_positive_avx2(reinterpret_cast<const float*>(in), out, first,
+                             std::max(first, whole));
+          first = std::max(first, whole);
+        }
+      }
+#endif
+      for (int64_t i = first; i < last; ++i) {
+        const scalar_t* lane = in + 8 * i;
+        uint32_t byte = 0;
+        if (8 * i + 8 <= numel) {  // a constant trip count: unrolled
+          for (int j = 0; j < 8; ++j) {
+            byte |= static_cast<uint32_t>(lane[j] > zero) << j;
+          }
+        } else {
+          for (int64_t j = 0; j < numel - 8 * i; ++j) {
+            byte |= static_cast<uint32_t>(lane[j] > zero) << j;
+          }
+        }
+        out[i] = static_cast<uint8_t>(byte);
+      }
+    });
+  });
+  return bytes;
+}
+
+// For each byte value, the 8 element-wide masks its bits stand for: all ones where bit j is set.
+template <typename bits_t>
+const bits_t* select_table() {
+  static const std::vector<bits_t> table = [] {
+    std::vector<bits_t> t(256 * 8);
+    for (int byte = 0; byte < 256; ++byte) {
+      for (int j = 0; j < 8; ++j) {
+        t[byte * 8 + j] = ((byte >> j) & 1) != 0 ? static_cast<bits_t>(~bits_t(0)) : bits_t(0);
+      }
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// out[i] = bit i of `bytes` set ? values[i] : +0, on the elements' bit patterns (an AND with a
+// table's mask, so a kept value is copied bit for bit, NaN included).
+template <typename bits_t>
+void select_by_bits(const uint8_t* bytes, const bits_t* values, bits_t* out, int64_t numel) {
+  const bits_t* table = select_table<bits_t>();
+  at::parallel_for(0, (numel + 7) / 8, kGrainElements / 8, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const bits_t* m = table + 8 * static_cast<int64_t>(bytes[i]);
+      const bits_t* v = values + 8 * i;
+      bits_t* o = out + 8 * i;
+      if (8 * i + 8 <= numel) {
+        for (int j = 0; j < 8; ++j) {
+          o[j] = v[j] & m[j];
+        }
+      } else {
+        for (int64_t j = 0; j < numel - 8 * i; ++j) {
+          o[j] = v[j] & m[j];
+        }
+      }
+    }
+  });
+}
+
+at::Tensor mask_select_cpu(const at::Tensor& values, const at::Tensor& bytes) {
+  constexpr const char* op = "mmseg_mesa::mask_select";
+  check_contiguous(op, "values", values, c10::DeviceType::CPU);
+  check_contiguous(op, "bytes", bytes, c10::DeviceType::CPU);
+  TORCH_CHECK(is_supported_float(values.scalar_type()), op,
+              ": values must be float32, float16, bfloat16 or float64, got ",
+              values.scalar_type());
+  TORCH_CHECK(bytes.scalar_type() == at::kByte, op, ": bytes must be uint8, got ",
+              bytes.scalar_type());
+  const int64_t numel = values.numel();
+  TORCH_CHECK(bytes.numel() == (numel + 7) / 8, op, ": bytes hold ", bytes.numel(),
+              " bytes, but values of shape ", values.sizes(), " take ", (numel + 7) / 8);
+  at::Tensor out = at::empty(values.sizes(), values.options());
+  if (numel == 0) {
+    return out;
+  }
+  // The bit patterns, not the values: the same loop serves every width.
+  const void* in = values.const_data_ptr();
+  void* dst = out.mutable_data_ptr();
+  switch (values.element_size()) {
+    case 2:
+      select_by_bits(bytes.const_data_ptr<uint8_t>(), static_cast<const uint16_t*>(in),
+                     static_cast<uint16_t*>(dst), numel);
+      break;
+    case 4:
+      select_by_bits(bytes.const_data_ptr<uint8_t>(), static_cast<const uint32_t*>(in),
+                     static_cast<uint32_t*>(dst), numel);
+      break;
+    default:
+      select_by_bits(bytes.const_data_ptr<uint8_t>(), static_cast<const uint64_t*>(in),
+                     static_cast<uint64_t*>(dst), numel);
+  }
+  return out;
 }
 
 bool cpu_kernels_parallel() {

@@ -1,6 +1,6 @@
 // Registers the torch ops torch.ops.mmseg_mesa.{observe, quantize, dequantize} with their CPU
 // kernels (mesa_cpu.cpp) and, in a CUDA build (MMSEG_MESA_WITH_CUDA), their CUDA kernels
-// (mesa_kernels.cu), and the CPU-only ops observe_quantize, pack_mask and unpack_mask. Makes
+// (mesa_kernels.cu), and the CPU-only ops observe_quantize and the mask ops. Makes
 // this library importable as the Python module mmseg_mesa._C (no pybind11: the ops are reached
 // through the dispatcher, so the module only carries build facts for mmseg_mesa._backend to
 // check).
@@ -31,6 +31,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
     int64_t seed, int64_t offset, bool pack);
 at::Tensor pack_mask_cpu(const at::Tensor& mask);
 at::Tensor unpack_mask_cpu(const at::Tensor& bytes, at::IntArrayRef shape);
+at::Tensor pack_positive_cpu(const at::Tensor& x);
+at::Tensor mask_select_cpu(const at::Tensor& values, const at::Tensor& bytes);
 // Whether the CPU kernels' at::parallel_for uses torch's threads (OpenMP builds need -fopenmp).
 bool cpu_kernels_parallel();
 
@@ -60,6 +62,8 @@ int compiled_cuda_version();
 // standardized tensor (quantizer.pack_standardized). CPU only: elsewhere kernels.py runs
 // observe and quantize in turn.
 // pack_mask / unpack_mask: a bool tensor as 1 bit per element (bitpack.py's layout); CPU only.
+// pack_positive: pack_mask(x > 0) in one pass; mask_select: values where the packed mask's bit is
+// set, else +0 (ReLU's forward and backward); CPU only.
 TORCH_LIBRARY(mmseg_mesa, m) {
   m.def(
       "observe(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, int group_dim, "
@@ -76,6 +80,8 @@ TORCH_LIBRARY(mmseg_mesa, m) {
       "bool stochastic, int seed, int offset, bool pack) -> (Tensor, Tensor, Tensor)");
   m.def("pack_mask(Tensor mask) -> Tensor");
   m.def("unpack_mask(Tensor bytes, int[] shape) -> Tensor");
+  m.def("pack_positive(Tensor x) -> Tensor");
+  m.def("mask_select(Tensor values, Tensor bytes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
@@ -85,6 +91,8 @@ TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
   m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cpu);
   m.impl("pack_mask", &mmseg_mesa::pack_mask_cpu);
   m.impl("unpack_mask", &mmseg_mesa::unpack_mask_cpu);
+  m.impl("pack_positive", &mmseg_mesa::pack_positive_cpu);
+  m.impl("mask_select", &mmseg_mesa::mask_select_cpu);
 }
 
 #ifdef MMSEG_MESA_WITH_CUDA

@@ -106,6 +106,17 @@ def unpack_mask(data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return _ops.unpack_mask(data, list(shape))
 
 
+def pack_positive(x: torch.Tensor) -> torch.Tensor:
+    """``pack_mask(x > 0)`` for a contiguous floating-point CPU tensor, in one pass."""
+    return _ops.pack_positive(x)
+
+
+def mask_select(values: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``torch.where(unpack_mask(data, values.shape), values, 0)`` for a contiguous
+    floating-point CPU tensor, read from the packed bits in one pass."""
+    return _ops.mask_select(values, data)
+
+
 def quantize(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: int,
              group_dim: int, group_size: int, stochastic: bool,
              counter: tuple[int, int] | None = None, pack: bool = False) -> torch.Tensor:

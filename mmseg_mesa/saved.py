@@ -41,11 +41,28 @@ class PackedMask:
             return cls(pack_mask(mask), mask.shape)
         return cls(kernels.pack_mask(mask.contiguous()), mask.shape)
 
+    @classmethod
+    def positive(cls, x: torch.Tensor) -> PackedMask:
+        """The mask of ``x > 0`` (a ReLU's output), packed without the bool tensor on CPU."""
+        kernels = _mask_kernels(x)
+        if kernels is None or not x.is_floating_point():
+            return cls.of(x > 0)
+        return cls(kernels.pack_positive(x.contiguous()), x.shape)
+
     def unpack(self) -> torch.Tensor:
         kernels = _mask_kernels(self.data)
         if kernels is None:
             return unpack_mask(self.data, self.shape)
         return kernels.unpack_mask(self.data.contiguous(), self.shape)
+
+    def select(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` where the mask is set, else 0 (``values`` shaped like the mask): one pass
+        over the packed bits on CPU, where unpacking and ``torch.where`` took ten times as
+        long as torch's own ReLU backward."""
+        kernels = _mask_kernels(values)
+        if kernels is None or not values.is_floating_point() or values.shape != self.shape:
+            return torch.where(self.unpack(), values, 0)
+        return kernels.mask_select(values.contiguous(), self.data.contiguous())
 
 
 Saveable = torch.Tensor | Codes | PackedMask | None

@@ -236,6 +236,8 @@ LAYOUTS = [  # shape, group_dim, group_size
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 BITS = (1, 2, 4, 8)
+BITS_OF = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+           torch.float64: torch.int64}  # integer views that compare bit patterns
 
 
 def sample(shape, dtype, device, offset=0.0, nonfinite=False):
@@ -396,6 +398,81 @@ def test_mask_kernels_match_bitpack(shape):
         k.pack_mask(mask.to(torch.uint8))
     with pytest.raises(RuntimeError, match='takes'):
         k.unpack_mask(torch.zeros(data.numel() + 1, dtype=torch.uint8), mask.shape)
+
+
+def special_values(shape, dtype):
+    """Random values of ``shape`` with zeros of both signs, NaN and infinities mixed in."""
+    x = torch.randn(shape, dtype=torch.float64)
+    flat = x.view(-1)
+    specials = torch.tensor([0.0, -0.0, float('nan'), float('inf'), -float('inf'), 1e-300])
+    flat[::5] = specials.repeat(-(-flat[::5].numel() // 6))[:flat[::5].numel()]
+    return x.to(dtype)
+
+
+@requires_build
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('shape', [(0,), (1,), (7,), (8,), (9,), (3, 5, 7), (4, 64, 33, 31)])
+def test_relu_mask_kernels(shape, dtype):
+    """``pack_positive`` is ``pack_mask(x > 0)`` (NaN is not positive); ``mask_select`` is
+    ``torch.where(mask, values, 0)`` bit for bit (NaN kept, +0 where the mask is clear)."""
+    from mmseg_mesa.bitpack import pack_mask
+    from mmseg_mesa.saved import PackedMask
+    k = kernels()
+    x = special_values(shape, dtype)
+    data = k.pack_positive(x)
+    assert torch.equal(data, pack_mask(x > 0))
+    assert torch.equal(PackedMask.positive(x).data, data)
+    values = special_values(shape, dtype).flip(-1) if x.dim() else x
+    want = torch.where(x > 0, values, 0)
+    got = k.mask_select(values, data)
+    assert got.dtype == dtype and got.shape == values.shape
+    assert torch.equal(got.view(-1).view(BITS_OF[dtype]), want.view(-1).view(BITS_OF[dtype]))
+    assert torch.equal(PackedMask.positive(x).select(values).view(-1).view(BITS_OF[dtype]),
+                       want.view(-1).view(BITS_OF[dtype]))
+    with pytest.raises(RuntimeError, match='must be float32'):
+        k.pack_positive(x.to(torch.int32))
+    with pytest.raises(RuntimeError, match='take'):
+        k.mask_select(values, torch.zeros(data.numel() + 1, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match='contiguous'):
+        k.mask_select(torch.zeros(4, 3).t(), torch.zeros(2, dtype=torch.uint8))
+
+
+def test_relu_mask_without_kernels(monkeypatch):
+    """Where no kernel runs (other devices, no extension), ``PackedMask`` computes the same with
+    torch ops."""
+    import mmseg_mesa.saved as saved
+    x = special_values((5, 13), torch.float32)
+    values = torch.randn(5, 13)
+    with_kernels = saved.PackedMask.positive(x)
+    monkeypatch.setattr(saved, '_mask_kernels', lambda t: None)
+    plain = saved.PackedMask.positive(x)
+    assert torch.equal(plain.data, with_kernels.data)
+    assert torch.equal(plain.select(values), torch.where(x > 0, values, 0))
+
+
+PORTABLE_MASK = """
+import sys, torch
+from mmseg_mesa import kernels
+assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'
+torch.save(kernels.pack_positive(torch.load(sys.argv[1])), sys.argv[2])
+"""
+
+
+@requires_build
+def test_positive_mask_is_the_same_on_the_portable_path(tmp_path):
+    """``pack_positive`` compares eight floats at a time with AVX2 where torch's CPU capability
+    allows; under ATEN_CPU_CAPABILITY=default the portable loop gives the same bits."""
+    import os
+    x = special_values((3, 41, 29), torch.float32)
+    torch.save(x, tmp_path / 'x.pt')
+    script = tmp_path / 'mask.py'
+    script.write_text(PORTABLE_MASK)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY='default')
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / 'x.pt'),
+                             str(tmp_path / 'mask.pt')], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert torch.equal(torch.load(tmp_path / 'mask.pt'), kernels().pack_positive(x))
 
 
 PORTABLE_DRAWS = """

@@ -60,14 +60,13 @@ class MesaReLUFunction(torch.autograd.Function):
             y = torch.relu_(x)
         else:
             y = torch.relu(x)
-        save(ctx, PackedMask.of(y > 0))
+        save(ctx, PackedMask.positive(y))
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (mask,) = load(ctx)
-        # torch's threshold_backward: no float copy of the mask
-        return torch.where(mask.unpack(), grad, 0), None
+        return mask.select(grad), None
 
 
 class MesaReLU(MesaModule, nn.ReLU):
