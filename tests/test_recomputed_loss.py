@@ -56,10 +56,11 @@ def head_with(name, **kw):
                    loss_decode=LOSSES[name], **extra, **kw)
 
 
+@pytest.mark.parametrize('band_elements', [5 * 4 * 32, 2 * 5 * 32 * 32])
 @pytest.mark.parametrize('name', list(LOSSES))
-def test_losses_equal_the_unfused_loss(name, monkeypatch):
-    # one input row per band: every band boundary and halo is exercised
-    monkeypatch.setattr(banded_loss, 'BAND_ELEMENTS', 5 * 4 * 32)
+def test_losses_equal_the_unfused_loss(name, band_elements, monkeypatch):
+    # each image by bands of rows (where the kernel allows) or alone, or both images in one band
+    monkeypatch.setattr(banded_loss, 'BAND_ELEMENTS', band_elements)
     head = head_with(name)
     ours = copy.deepcopy(head)
     report = convert_to_mesa(ours, config=MesaConfig(layers={'loss'}))
@@ -101,20 +102,24 @@ def test_bands_are_bit_identical_to_mmseg_resize(in_size, out_size, align_corner
     logits = torch.randn(3, channels, *in_size)
     full = resize(logits, size=out_size, mode='bilinear', align_corners=align_corners)
     by_rows = banded_loss.rows_bandable(logits, out_size, align_corners)
-    bands = banded_loss.plan_bands(3, channels, in_size, out_size, by_rows, band_elements=1)
-    covered = torch.zeros(3, out_size[0], dtype=torch.int)
-    for band in bands:
-        up = banded_loss._upsampled(banded_loss._source(logits, band), band, out_size[1],
-                                    align_corners)
-        assert torch.equal(up, full[band.image:band.image + 1, :, band.out_start:band.out_stop])
-        covered[band.image, band.out_start:band.out_stop] += 1
-    assert (covered == 1).all()
+    image_elements = channels * out_size[0] * out_size[1]
+    # the smallest bands (one row, or one image), then two images' worth: bands of two images
+    # and one, or of several rows
+    for band_elements, images in ((1, [1, 1, 1]), (2 * image_elements, [2, 1])):
+        bands = banded_loss.plan_bands(3, channels, in_size, out_size, by_rows, band_elements)
+        covered = torch.zeros(3, out_size[0], dtype=torch.int)
+        for band in bands:
+            up = banded_loss._upsampled(banded_loss._source(logits, band), band, out_size[1],
+                                        align_corners)
+            assert torch.equal(up, full[band.batch, :, band.out_start:band.out_stop])
+            covered[band.batch, band.out_start:band.out_stop] += 1
+        assert (covered == 1).all()
+        if not by_rows:
+            assert [band.images for band in bands] == images
     factor = out_size[0] // in_size[0]
     expect_rows = (not align_corners and channels != 3 and out_size[0] == factor * in_size[0]
                    and factor & (factor - 1) == 0 and sum(out_size) > 128)
     assert by_rows is expect_rows
-    if not by_rows:
-        assert len(bands) == 3  # one band per image
 
 
 def test_banded_loss_bounds_the_full_resolution_transients(monkeypatch):

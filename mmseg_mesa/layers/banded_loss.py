@@ -17,8 +17,9 @@ provided the kernel is the same: torch's CPU kernel switches to a separable two-
 roundings) when ``out_h + out_w <= 128``, for 3 channels on one thread, and for channels-last
 inputs, so bands are kept taller than that bound and only contiguous (NCHW) logits of other
 channel counts are banded by rows, on CPU (where tests hold every case to ``resize``). Anything
-else is banded per image only: each image's slice of a batched ``F.interpolate`` is computed
-alone, with the same kernel. The cross-entropy and the arg-max are per pixel.
+else is banded by whole images, as many per band as fit in one: each image's slice of a batched
+``F.interpolate`` is the same computed with fewer images, by the same kernel. The cross-entropy
+and the arg-max are per pixel.
 Gradients differ from the unbanded path only in the order of float sums (rows in two bands'
 halos get their contributions in two parts).
 """
@@ -45,9 +46,9 @@ class PixelCrossEntropy:
 
 @dataclass(frozen=True)
 class Band:
-    """Rows ``[src_start, src_stop)`` of one image's logits, upsampled to ``rows`` x width; the
-    output rows ``[keep_start, keep_start + out_stop - out_start)`` of that are rows
-    ``[out_start, out_stop)`` of the full-size result."""
+    """Rows ``[src_start, src_stop)`` of images ``[image, image + images)`` of the logits,
+    upsampled to ``rows`` x width; the output rows ``[keep_start, keep_start + out_stop -
+    out_start)`` of that are rows ``[out_start, out_stop)`` of the full-size result."""
 
     image: int
     src_start: int
@@ -56,6 +57,12 @@ class Band:
     keep_start: int
     out_start: int
     out_stop: int
+    images: int = 1
+
+    @property
+    def batch(self) -> slice:
+        """The band's images, as a slice of dim 0."""
+        return slice(self.image, self.image + self.images)
 
 
 def rows_bandable(logits: torch.Tensor, out_size: tuple[int, int], align_corners: bool) -> bool:
@@ -69,15 +76,17 @@ def rows_bandable(logits: torch.Tensor, out_size: tuple[int, int], align_corners
 
 def plan_bands(batch: int, channels: int, in_size: tuple[int, int], out_size: tuple[int, int],
                by_rows: bool, band_elements: int | None = None) -> list[Band]:
-    """Bands covering every output row of every image once: one per image, or (``by_rows``,
-    see ``rows_bandable``) blocks of about ``band_elements`` upsampled values."""
+    """Bands covering every output row of every image once: blocks of about ``band_elements``
+    upsampled values, of rows (``by_rows``, see ``rows_bandable``) or else of whole images (at
+    least one each)."""
     (in_h, _), (out_h, out_w) = in_size, out_size
     band_elements = band_elements or BAND_ELEMENTS
+    if not by_rows:
+        step = max(1, band_elements // max(1, channels * out_h * out_w))
+        return [Band(image, 0, in_h, out_h, 0, 0, out_h, min(step, batch - image))
+                for image in range(0, batch, step)]
     bands = []
     for image in range(batch):
-        if not by_rows:
-            bands.append(Band(image, 0, in_h, out_h, 0, 0, out_h))
-            continue
         factor = out_h // in_h
         step = max(1, band_elements // max(1, channels * factor * out_w))
         # the kernel must be the one the whole image takes: out_rows + out_w > 128 (docstring)
@@ -105,7 +114,7 @@ class BandedLossSpec:
 
 
 def _source(logits: torch.Tensor, band: Band) -> torch.Tensor:
-    source = logits[band.image:band.image + 1, :, band.src_start:band.src_stop]
+    source = logits[band.batch, :, band.src_start:band.src_stop]
     # a row slice is strided; give the kernel the layout the whole tensor has
     return source.contiguous() if band.src_stop - band.src_start < logits.shape[2] else source
 
@@ -155,14 +164,14 @@ class BandedCrossEntropy(torch.autograd.Function):
         for band in ctx.bands:
             up = _upsampled(_source(logits, band), band, out_w, spec.align_corners)
             rows = slice(band.out_start, band.out_stop)
-            target = labels[band.image:band.image + 1, rows]
+            target = labels[band.batch, rows]
             values = _cross_entropies(up, target, spec)
             if not maps:
                 maps = [v.new_empty(labels.shape) for v in values]
                 out_dtypes[:] = [up.dtype]
             for full, value in zip(maps, values):
-                full[band.image:band.image + 1, rows] = value
-            correct[band.image:band.image + 1, rows] = up.topk(1, dim=1)[1][:, 0].eq(target)
+                full[band.batch, rows] = value
+            correct[band.batch, rows] = up.topk(1, dim=1)[1][:, 0].eq(target)
             del up, values
         ctx.mark_non_differentiable(correct)
         ctx.labels_fn = labels_fn
@@ -185,11 +194,11 @@ class BandedCrossEntropy(torch.autograd.Function):
             with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
                 leaf = _source(logits, band).detach().requires_grad_()
                 up = _upsampled(leaf, band, width, spec.align_corners)
-                values = _cross_entropies(up, labels[band.image:band.image + 1, rows], spec,
+                values = _cross_entropies(up, labels[band.batch, rows], spec,
                                           which)
             (grad,) = torch.autograd.grad(
-                values, leaf, [grads[k][band.image:band.image + 1, rows] for k in which])
-            grad_logits[band.image:band.image + 1, :, band.src_start:band.src_stop] += grad
+                values, leaf, [grads[k][band.batch, rows] for k in which])
+            grad_logits[band.batch, :, band.src_start:band.src_stop] += grad
             del up, values, grad
         return grad_logits, None, None, None, None
 
