@@ -20,6 +20,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..layers.attention_core import (
     ATTENTION_QUANTIZERS,
+    FUSED_QKV_QUANTIZERS,
     MesaAttentionFunction,
     attention_dropout,
     recomputes_maps,
@@ -34,7 +35,7 @@ class MesaWindowMSA(MesaModule, WindowMSA):
     """Swin window attention: no map kept (``MesaAttentionFunction``), or with
     ``attention_maps='stored'`` both attention matmuls compressed per head."""
 
-    mesa_quantizers = ATTENTION_QUANTIZERS
+    mesa_quantizers = FUSED_QKV_QUANTIZERS
 
     def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
@@ -46,8 +47,9 @@ class MesaWindowMSA(MesaModule, WindowMSA):
             return super().forward(x, mask)
         # Same steps as WindowMSA.forward (mmseg 1.2.2).
         B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads,
-                                  C // self.num_heads).permute(2, 0, 3, 1, 4)
+        projected = self.qkv(x)
+        qkv = projected.reshape(B, N, 3, self.num_heads,
+                                C // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         q = q * self.scale
         dropout_p = attention_dropout(self.attn_drop, self.training)
@@ -55,7 +57,7 @@ class MesaWindowMSA(MesaModule, WindowMSA):
             x = MesaAttentionFunction.apply(
                 q, k, v, self.relative_position_bias_table, self.relative_position_index,
                 None if mask is None else mask.unsqueeze(1), None, dropout_p, False,
-                (self.quant_attn_q, self.quant_attn_k, self.quant_attn_v))
+                (self.quant_attn_qkv,), projected, self.scale)
             return self.proj_drop(self.proj(x.transpose(1, 2).reshape(B, N, C)))
         attn = self.mesa_qk(q, k.transpose(-2, -1))
         window_area = self.window_size[0] * self.window_size[1]
@@ -77,7 +79,7 @@ class MesaWindowMSA(MesaModule, WindowMSA):
 class MesaBEiTAttention(MesaModule, BEiTAttention):
     """BEiT / MAE attention (relative position bias, optional q/v biases) keeping no map."""
 
-    mesa_quantizers = ATTENTION_QUANTIZERS
+    mesa_quantizers = FUSED_QKV_QUANTIZERS
 
     def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
@@ -98,6 +100,7 @@ class MesaBEiTAttention(MesaModule, BEiTAttention):
                 qkv = F.linear(input=x, weight=self.qkv.weight, bias=qkv_bias)
         else:
             qkv = self.qkv(x)
+        projected = qkv
         qkv = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         q = q * self.scale
@@ -105,7 +108,7 @@ class MesaBEiTAttention(MesaModule, BEiTAttention):
             q, k, v, self.relative_position_bias_table,
             None if self.relative_position_bias_table is None else self.relative_position_index,
             None, None, attention_dropout(self.attn_drop, self.training), False,
-            (self.quant_attn_q, self.quant_attn_k, self.quant_attn_v))
+            (self.quant_attn_qkv,), projected, self.scale)
         x = x.transpose(1, 2).reshape(B, N, C)
         x = self.proj(x)
         return self.proj_drop(x)

@@ -35,6 +35,9 @@ from .dropout import dropout_with_mask
 # viewed as (B, N, H * d), one group per head and channel.
 ATTENTION_QUANTIZERS = {'quant_attn_q': (-1, 1), 'quant_attn_k': (-1, 1),
                         'quant_attn_v': (-1, 1)}
+# The same for a module whose q, k and v are views of one (B, N, 3 * H * d) projection (Swin,
+# BEiT): one quantizer packs that projection, with the same groups.
+FUSED_QKV_QUANTIZERS = {'quant_attn_qkv': (-1, 1)}
 
 
 def recomputes_maps(config: MesaConfig, mask: torch.Tensor | None, dropout_p: float) -> bool:
@@ -88,10 +91,22 @@ def pack_heads(x: torch.Tensor, quantizer: ActivationQuantizer) -> Any:
 
 
 def unpack_heads(packed: Any, heads: int) -> torch.Tensor:
-    """The fp32 ``(B, H, N, d)`` operand ``pack_heads`` packed."""
+    """The fp32 ``(B, H, N, d)`` operand ``pack_heads`` packed, contiguous (backward's matmuls
+    would each copy a strided operand again)."""
     rows = unpack(packed, torch.float32)
     batch, tokens, channels = rows.shape
-    return rows.view(batch, tokens, heads, channels // heads).transpose(1, 2)
+    return rows.view(batch, tokens, heads, channels // heads).transpose(1, 2).contiguous()
+
+
+def unpack_qkv(packed: Any, heads: int, q_scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fp32 ``(B, H, N, d)`` q, k and v of a packed ``(B, N, 3 * H * d)`` projection, q
+    multiplied by ``q_scale`` as the module does; each contiguous, from one copy."""
+    rows = unpack(packed, torch.float32)
+    batch, tokens, channels = rows.shape
+    q, k, v = rows.view(batch, tokens, 3, heads, channels // (3 * heads)).permute(
+        2, 0, 3, 1, 4).contiguous()
+    return q.mul_(q_scale), k, v
 
 
 def relative_bias(table: torch.Tensor, index: torch.Tensor, queries: int, keys: int
@@ -126,20 +141,25 @@ class MesaAttentionFunction(torch.autograd.Function):
     Args (of ``apply``):
         q, k, v: ``(B, H, N, d)``, ``(B, H, M, d)``, ``(B, H, M, dv)`` (any strides); q as the
             module scales it before the product, if it does.
+        qkv, q_scale: the ``(B, N, 3 * H * d)`` projection q, k and v are views of (q times
+            ``q_scale``), or None. Given, backward keeps that projection's codes (one pack,
+            no copy: it is contiguous) instead of packing q, k and v one by one.
         table, index: the relative position bias table ``(T, H)`` and its index buffer
             (``N * M`` entries), or None.
         mask: a constant additive mask ``(Bb, Hb, N, M)`` (see ``add_mask``), or None.
         score_scale: a factor the module applies to ``q @ k^T`` (Twins), or None.
         dropout_p: attention dropout in a training step (0 for none).
         need_map: also return the (dropped-out) map, as ``nn.MultiheadAttention`` does.
-        quantizers: the three ``ActivationQuantizer`` of q, k and v.
+        quantizers: the three ``ActivationQuantizer`` of q, k and v, or with ``qkv`` the one of
+            the projection.
     """
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 table: torch.Tensor | None, index: torch.Tensor | None,
                 mask: torch.Tensor | None, score_scale: float | None, dropout_p: float,
-                need_map: bool, quantizers: tuple[ActivationQuantizer, ...]) -> Any:
+                need_map: bool, quantizers: tuple[ActivationQuantizer, ...],
+                qkv: torch.Tensor | None = None, q_scale: float = 1.0) -> Any:
         record_input(ctx, q)
         ctx.set_materialize_grads(False)
         queries, keys = q.shape[-2], k.shape[-2]
@@ -157,8 +177,15 @@ class MesaAttentionFunction(torch.autograd.Function):
             attn, keep = dropout_with_mask(attn, dropout_p)
         out = torch.matmul(attn, v)
         ctx.meta = (q.dtype, k.dtype, v.dtype, table.dtype if table is not None else None,
-                    q.shape[1], score_scale, dropout_p, queries, keys)
-        packed = [pack_heads(x, quant) for x, quant in zip((q, k, v), quantizers)]
+                    q.shape[1], score_scale, dropout_p, queries, keys,
+                    None if qkv is None else q_scale)
+        if qkv is None:
+            packed = [pack_heads(x, quant) for x, quant in zip((q, k, v), quantizers)]
+        else:
+            if qkv.shape != (q.shape[0], queries, 3 * q.shape[1] * q.shape[3]):
+                raise ValueError(f'MesaAttentionFunction: qkv of shape {tuple(qkv.shape)} is '
+                                 f'not the projection of q {tuple(q.shape)}')
+            packed = [quantizers[0].pack(qkv.detach())]
         compact = CompactMask.of(mask.detach()) if mask is not None else NO_MASK
         save(ctx, *packed, table, index, compact.bits, compact.low, compact.high, compact.full,
              PackedMask.of(keep) if keep is not None else None)
@@ -170,12 +197,15 @@ class MesaAttentionFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad_out: torch.Tensor | None, grad_map: torch.Tensor | None = None
                  ) -> tuple:
-        q_dtype, k_dtype, v_dtype, table_dtype, heads, score_scale, dropout_p, queries, keys = \
-            ctx.meta
-        packed_q, packed_k, packed_v, table, index, bits, low, high, full, keep = load(ctx)
+        (q_dtype, k_dtype, v_dtype, table_dtype, heads, score_scale, dropout_p, queries, keys,
+         q_scale) = ctx.meta
+        *packed, table, index, bits, low, high, full, keep = load(ctx)
         mask = CompactMask(bits, low, high, full).restore()
         keep = keep.unpack() if keep is not None else None
-        q, k, v = (unpack_heads(p, heads) for p in (packed_q, packed_k, packed_v))
+        if q_scale is None:
+            q, k, v = (unpack_heads(p, heads) for p in packed)
+        else:
+            q, k, v = unpack_qkv(packed[0], heads, q_scale)
         batch = q.shape[0]
         need_q, need_k, need_v, need_table = ctx.needs_input_grad[:4]
         blocks = _row_blocks(batch, heads, queries, keys)
@@ -202,6 +232,8 @@ class MesaAttentionFunction(torch.autograd.Function):
         if mask is not None:
             mask = mask.float()
         g = cast(grad_out, torch.float32) if grad_out is not None else None
+        if g is not None and whole:  # read by two matmuls, each of which would copy it
+            g = g.contiguous()
 
         def put(total: torch.Tensor | None, part: torch.Tensor, images: slice,
                 rows: slice | None) -> torch.Tensor:
@@ -268,4 +300,4 @@ class MesaAttentionFunction(torch.autograd.Function):
         return (cast(grad_q, q_dtype) if grad_q is not None else None,
                 cast(grad_k, k_dtype) if grad_k is not None else None,
                 cast(grad_v, v_dtype) if grad_v is not None else None,
-                grad_table, None, None, None, None, None, None)
+                grad_table, None, None, None, None, None, None, None, None)
