@@ -30,6 +30,11 @@ LAYER_TYPES = (
     # element-wise products a module's forward computes itself (layer scale, gated attention)
     'product',
 )
+# Types converted only when ``layers`` names them: mmcv's drop_path keeps one number per sample
+# for backward, which its 1-bit mask does not usefully shrink, while the conversion costs a
+# Function call per block (3% of the demo model's step).
+OPT_IN_LAYER_TYPES = frozenset({'droppath'})
+DEFAULT_LAYER_TYPES = frozenset(LAYER_TYPES) - OPT_IN_LAYER_TYPES
 # Layer types whose saved activation is a feature map (channels x space or tokens x channels),
 # which DIVISION's low-pass + residual split applies to. Attention maps, attention operands and
 # masks keep Mesa's quantizer.
@@ -92,7 +97,7 @@ class MesaConfig:
             heads keep only their low-resolution logits for the loss (exact recomputation, no
             quantization), UPerHead fuse its FPN outputs without holding them twice and drop
             the feature levels it has read (through ``EncoderDecoder``).
-            Defaults to all of them.
+            Defaults to all of them but ``OPT_IN_LAYER_TYPES`` (``'droppath'``).
         skip: ``fnmatch`` patterns of qualified module names left unconverted. Defaults to ().
         compressor: ``'mesa'`` (the ``bits``-bit quantizer) or ``'division'`` (DIVISION's
             low-pass copy plus a low-bit residual, see ``mmseg_mesa.division``) for every layer
@@ -118,7 +123,7 @@ class MesaConfig:
     ema_decay: float = 0.9
     stochastic_rounding: bool = True
     backend: str = 'auto'
-    layers: frozenset[str] = field(default_factory=lambda: frozenset(LAYER_TYPES))
+    layers: frozenset[str] = field(default_factory=lambda: DEFAULT_LAYER_TYPES)
     skip: tuple[str, ...] = ()
     layer_bits: tuple[tuple[str, int], ...] = ()
     compressor: str = 'mesa'
@@ -222,9 +227,9 @@ class MesaConfig:
 # Named presets: fields that differ from MesaConfig's defaults. Their memory ratios and demo
 # fidelity are measured in docs/benchmarks.md (`tools/benchmark_memory.py` runs each as a mode).
 PRESETS: dict[str, dict[str, Any]] = {
-    # The paper's Mesa: every layer type but 'loss' (the decode head's loss is left as it is),
-    # and an 8-bit copy of every attention map.
-    'paper': dict(layers=frozenset(LAYER_TYPES) - {'loss'}, attention_maps='stored'),
+    # The paper's Mesa: the default layer types but 'loss' (the decode head's loss is left as it
+    # is), and an 8-bit copy of every attention map.
+    'paper': dict(layers=DEFAULT_LAYER_TYPES - {'loss'}, attention_maps='stored'),
     # MesaConfig(), what ``mesa = True`` gives: the paper's layers plus the exact low-resolution
     # loss (layer type 'loss').
     'default': {},

@@ -9,7 +9,9 @@ from mmseg_mesa.config import LAYER_TYPES
 def test_defaults_are_the_papers():
     cfg = MesaConfig()
     assert cfg.bits == 8 and cfg.ema_decay == 0.9 and cfg.stochastic_rounding
-    assert cfg.layers == frozenset(LAYER_TYPES)
+    # every type but drop path, whose 1-bit mask would stand for one number per sample
+    assert cfg.layers == frozenset(LAYER_TYPES) - {'droppath'}
+    assert 'droppath' in MesaConfig(layers=LAYER_TYPES).layers
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.bits = 4
 
