@@ -458,21 +458,27 @@ torch.save(kernels.pack_positive(torch.load(sys.argv[1])), sys.argv[2])
 """
 
 
+def on_the_portable_path(tmp_path, script: str, x: torch.Tensor) -> torch.Tensor:
+    """What ``script`` (reading ``x`` from ``argv[1]``, writing its result to ``argv[2]``)
+    computes in a process under ATEN_CPU_CAPABILITY=default: the kernels' portable loops."""
+    import os
+    torch.save(x, tmp_path / 'x.pt')
+    (tmp_path / 'script.py').write_text(script)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY='default')
+    result = subprocess.run([sys.executable, str(tmp_path / 'script.py'), str(tmp_path / 'x.pt'),
+                             str(tmp_path / 'out.pt')], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return torch.load(tmp_path / 'out.pt')
+
+
 @requires_build
 def test_positive_mask_is_the_same_on_the_portable_path(tmp_path):
     """``pack_positive`` compares eight floats at a time with AVX2 where torch's CPU capability
     allows; under ATEN_CPU_CAPABILITY=default the portable loop gives the same bits."""
-    import os
     x = special_values((3, 41, 29), torch.float32)
-    torch.save(x, tmp_path / 'x.pt')
-    script = tmp_path / 'mask.py'
-    script.write_text(PORTABLE_MASK)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY='default')
-    result = subprocess.run([sys.executable, str(script), str(tmp_path / 'x.pt'),
-                             str(tmp_path / 'mask.pt')], env=env, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert torch.equal(torch.load(tmp_path / 'mask.pt'), kernels().pack_positive(x))
+    assert torch.equal(on_the_portable_path(tmp_path, PORTABLE_MASK, x),
+                       kernels().pack_positive(x))
 
 
 PORTABLE_DRAWS = """
@@ -491,21 +497,13 @@ def test_stochastic_rounding_draws_the_same_on_the_portable_path(tmp_path):
     """Where torch's CPU capability is AVX2 the draws are made eight blocks at a time with AVX2;
     under ATEN_CPU_CAPABILITY=default the portable loop makes them. Same codes, across the
     counter's 32-bit carry."""
-    import os
     x = torch.randn(4, 37, 41, 29)
-    torch.save(x, tmp_path / 'x.pt')
-    script = tmp_path / 'draw.py'
-    script.write_text(PORTABLE_DRAWS)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY='default')
-    result = subprocess.run([sys.executable, str(script), str(tmp_path / 'x.pt'),
-                             str(tmp_path / 'codes.pt')], env=env, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    portable = on_the_portable_path(tmp_path, PORTABLE_DRAWS, x)
     k = kernels()
     lower, scale = torch.zeros(37), torch.full((37,), 1 / 7)
     counter = (2 ** 64 - 3, 2 ** 32 - 9)
     codes = k.quantize(x, lower, scale, 8, 1, 1, True, counter)
-    assert torch.equal(codes, torch.load(tmp_path / 'codes.pt'))
+    assert torch.equal(codes, portable)
     spec = QuantSpec(group_dim=1, stochastic=True)
     assert torch.equal(codes, quantize_reference(x, lower, scale, spec, 1, counter))
 
