@@ -253,9 +253,9 @@ __attribute__((target("avx2"))) void philox_uniforms_avx2(uint64_t seed, uint64_
   }
 }
 
-// Whether the AVX2 loops run (stochastic rounding's draws, pack_positive): torch's CPU
-// capability (which honours ATEN_CPU_CAPABILITY, so CI can run the portable loops too) is AVX2
-// or above.
+// Whether the AVX2 loops run (stochastic rounding's draws, the code loops, pack_positive):
+// torch's CPU capability (which honours ATEN_CPU_CAPABILITY, so CI can run the portable loops
+// too) is AVX2 or above.
 bool runs_avx2() {
   static const bool avx2 = [] {
     const std::string capability = at::get_cpu_capability();
@@ -308,9 +308,14 @@ inline const float* tile_uniforms(uint64_t seed, uint64_t offset, int64_t begin,
   return buffer + (begin & 3);
 }
 
+// The element loops of quantize and dequantize. The compiler vectorizes them for the instruction
+// set of the function they are inlined into, so each runs in two builds: the compiler's baseline
+// (SSE2 on x86-64) and, where runs_avx2(), AVX2 (twice the lanes). The operations and their
+// roundings are the same in both (no FMA: -ffp-contract=off), and so are the results.
 template <typename scalar_t, bool kStochastic, bool kPerElement>
-void encode_span(const scalar_t* x, int64_t count, const float* lower, const float* scale,
-                 float levels, const float* noise, uint8_t* out) {
+__attribute__((always_inline)) inline void encode_elements(
+    const scalar_t* x, int64_t count, const float* lower, const float* scale, float levels,
+    const float* noise, uint8_t* out) {
   for (int64_t j = 0; j < count; ++j) {
     const int64_t g = kPerElement ? j : 0;
     out[j] = encode<kStochastic>(static_cast<float>(x[j]), lower[g], scale[g], levels,
@@ -319,12 +324,52 @@ void encode_span(const scalar_t* x, int64_t count, const float* lower, const flo
 }
 
 template <typename scalar_t, bool kPerElement>
-void decode_span(const uint8_t* codes, int64_t count, const float* lower, const float* scale,
-                 scalar_t* out) {
+__attribute__((always_inline)) inline void decode_elements(
+    const uint8_t* codes, int64_t count, const float* lower, const float* scale, scalar_t* out) {
   for (int64_t j = 0; j < count; ++j) {
     const int64_t g = kPerElement ? j : 0;
     out[j] = static_cast<scalar_t>(decode(codes[j], lower[g], scale[g]));
   }
+}
+
+#ifdef MESA_X86_SIMD
+template <typename scalar_t, bool kStochastic, bool kPerElement>
+__attribute__((target("avx2"))) void encode_elements_avx2(
+    const scalar_t* x, int64_t count, const float* lower, const float* scale, float levels,
+    const float* noise, uint8_t* out) {
+  encode_elements<scalar_t, kStochastic, kPerElement>(x, count, lower, scale, levels, noise, out);
+}
+
+template <typename scalar_t, bool kPerElement>
+__attribute__((target("avx2"))) void decode_elements_avx2(
+    const uint8_t* codes, int64_t count, const float* lower, const float* scale, scalar_t* out) {
+  decode_elements<scalar_t, kPerElement>(codes, count, lower, scale, out);
+}
+#endif
+
+template <typename scalar_t, bool kStochastic, bool kPerElement>
+void encode_span(const scalar_t* x, int64_t count, const float* lower, const float* scale,
+                 float levels, const float* noise, uint8_t* out) {
+#ifdef MESA_X86_SIMD
+  if (runs_avx2()) {
+    encode_elements_avx2<scalar_t, kStochastic, kPerElement>(x, count, lower, scale, levels,
+                                                             noise, out);
+    return;
+  }
+#endif
+  encode_elements<scalar_t, kStochastic, kPerElement>(x, count, lower, scale, levels, noise, out);
+}
+
+template <typename scalar_t, bool kPerElement>
+void decode_span(const uint8_t* codes, int64_t count, const float* lower, const float* scale,
+                 scalar_t* out) {
+#ifdef MESA_X86_SIMD
+  if (runs_avx2()) {
+    decode_elements_avx2<scalar_t, kPerElement>(codes, count, lower, scale, out);
+    return;
+  }
+#endif
+  decode_elements<scalar_t, kPerElement>(codes, count, lower, scale, out);
 }
 
 // Codes one per byte (8-bit codes, or sub-byte ones left unpacked).
