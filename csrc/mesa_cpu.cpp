@@ -645,8 +645,25 @@ at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
   return out;
 }
 
-// mmseg_mesa/bitpack.py's 1-bit layout: bit j of byte i is element 8 * i + j, the last byte
-// padded with zero bits.
+// Bytes [first, last) of mmseg_mesa/bitpack.py's 1-bit layout: bit j of byte i is flag(8 * i + j)
+// for the `numel` flags, the last byte padded with zero bits.
+template <typename Flag>
+void pack_flags(int64_t numel, int64_t first, int64_t last, uint8_t* out, Flag&& flag) {
+  for (int64_t i = first; i < last; ++i) {
+    uint32_t byte = 0;
+    if (8 * i + 8 <= numel) {  // a constant trip count: unrolled
+      for (int j = 0; j < 8; ++j) {
+        byte |= static_cast<uint32_t>(flag(8 * i + j)) << j;
+      }
+    } else {
+      for (int64_t j = 0; j < numel - 8 * i; ++j) {
+        byte |= static_cast<uint32_t>(flag(8 * i + j)) << j;
+      }
+    }
+    out[i] = static_cast<uint8_t>(byte);
+  }
+}
+
 at::Tensor pack_mask_cpu(const at::Tensor& mask) {
   constexpr const char* op = "mmseg_mesa::pack_mask";
   check_contiguous(op, "mask", mask, c10::DeviceType::CPU);
@@ -657,14 +674,7 @@ at::Tensor pack_mask_cpu(const at::Tensor& mask) {
   const bool* in = mask.const_data_ptr<bool>();
   uint8_t* out = bytes.mutable_data_ptr<uint8_t>();
   at::parallel_for(0, bytes.numel(), kGrainElements / 8, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t count = std::min<int64_t>(8, numel - 8 * i);
-      uint32_t byte = 0;
-      for (int64_t j = 0; j < count; ++j) {
-        byte |= static_cast<uint32_t>(in[8 * i + j]) << j;
-      }
-      out[i] = static_cast<uint8_t>(byte);
-    }
+    pack_flags(numel, first, last, out, [&](int64_t k) { return in[k]; });
   });
   return bytes;
 }
@@ -713,9 +723,7 @@ __attribute__((target("avx2"))) void pack_positive_avx2(const float* in, uint8_t
 // of its output). NaN is not positive.
 at::Tensor pack_positive_cpu(const at::Tensor& x) {
   constexpr const char* op = "mmseg_mesa::pack_positive";
-  check_contiguous(op, "x", x, c10::DeviceType::CPU);
-  TORCH_CHECK(is_supported_float(x.scalar_type()), op,
-              ": x must be float32, float16, bfloat16 or float64, got ", x.scalar_type());
+  check_activation(op, x, c10::DeviceType::CPU);
   const int64_t numel = x.numel();
   at::Tensor bytes = at::empty({(numel + 7) / 8}, x.options().dtype(at::kByte));
   uint8_t* out = bytes.mutable_data_ptr<uint8_t>();
@@ -733,20 +741,7 @@ at::Tensor pack_positive_cpu(const at::Tensor& x) {
         }
       }
 #endif
-      for (int64_t i = first; i < last; ++i) {
-        const scalar_t* lane = in + 8 * i;
-        uint32_t byte = 0;
-        if (8 * i + 8 <= numel) {  // a constant trip count: unrolled
-          for (int j = 0; j < 8; ++j) {
-            byte |= static_cast<uint32_t>(lane[j] > zero) << j;
-          }
-        } else {
-          for (int64_t j = 0; j < numel - 8 * i; ++j) {
-            byte |= static_cast<uint32_t>(lane[j] > zero) << j;
-          }
-        }
-        out[i] = static_cast<uint8_t>(byte);
-      }
+      pack_flags(numel, first, last, out, [&](int64_t k) { return in[k] > zero; });
     });
   });
   return bytes;
