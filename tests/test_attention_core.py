@@ -18,6 +18,7 @@ from mmseg_mesa.layers.attention_core import (
     pack_heads,
     relative_bias,
     unpack_heads,
+    unpack_qkv,
 )
 from mmseg_mesa.memory import count_saved_tensors
 from mmseg_mesa.quantizer import ActivationQuantizer, QuantSpec
@@ -93,6 +94,41 @@ def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, chunk, 
     exact = torch.autograd.grad((exact_out * grad).sum(), decoded + params[3:])
     for ours, theirs in zip(grads, exact):
         assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_qkv_codes_give_the_exact_gradient_at_the_decoded_projection():
+    """Swin's and BEiT's path: q, k and v are views of one (B, N, 3 * H * d) projection, q then
+    scaled; backward keeps that projection's codes and is the exact gradient of attention at
+    the decoded projection. A projection of another shape is refused."""
+    batch, tokens, heads, dim, scale = 4, 10, 2, 8, 0.35
+    gen = torch.Generator().manual_seed(3)
+    projected = torch.randn(batch, tokens, 3 * heads * dim, generator=gen).requires_grad_()
+    table = torch.randn(12, heads, generator=gen).requires_grad_()
+    index = torch.randint(0, 12, (tokens, tokens), generator=gen)
+
+    def split(x):
+        q, k, v = x.reshape(batch, tokens, 3, heads, dim).permute(2, 0, 3, 1, 4)
+        return q * scale, k, v
+
+    quant = ActivationQuantizer(QuantSpec(bits=8, group_dim=-1, group_size=1, stochastic=False))
+    out = MesaAttentionFunction.apply(*split(projected), table, index, None, None, 0.0, False,
+                                      (quant,), projected, scale)
+    expected, _ = torch_attention(*split(projected), table, index, None, None, 0.0)
+    assert torch.equal(out, expected)
+    grad = torch.randn(out.shape, generator=gen)
+    ours = torch.autograd.grad((out * grad).sum(), [projected, table])
+    fresh = ActivationQuantizer(QuantSpec(bits=8, group_dim=-1, group_size=1, stochastic=False))
+    decoded = [x.detach().requires_grad_()
+               for x in unpack_qkv(fresh.pack(projected.detach()), heads, scale)]
+    exact_out, _ = torch_attention(*decoded, table, index, None, None, 0.0)
+    exact = torch.autograd.grad((exact_out * grad).sum(), decoded + [table])
+    exact_projected = torch.stack([exact[0] * scale, exact[1], exact[2]]).permute(
+        1, 3, 0, 2, 4).reshape(projected.shape)
+    assert torch.allclose(ours[0], exact_projected, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(ours[1], exact[3], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match='not the projection of q'):
+        MesaAttentionFunction.apply(*split(projected), table, index, None, None, 0.0, False,
+                                    (quant,), projected[:, :, :-1], scale)
 
 
 def test_a_loss_on_the_returned_map_reaches_q_and_k():
