@@ -26,7 +26,7 @@ from mmseg.models.utils import resize
 from torch import nn
 
 from ..config import MesaConfig
-from ..layers.base import make_quantizer
+from ..layers.base import make_quantizer, returns_owned
 from ..layers.conv import MesaConv2d
 from ..quantizer import ActivationQuantizer, Packed, attach_codes, sample_range, unpack
 from .modules import MesaDecodeHead
@@ -43,6 +43,7 @@ class WriteChannels(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, buffer: torch.Tensor, piece: torch.Tensor, start: int) -> torch.Tensor:
         ctx.start, ctx.stop, ctx.piece_dtype = start, start + piece.shape[1], piece.dtype
         buffer[:, start:ctx.stop].copy_(piece)

@@ -10,12 +10,13 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, Mapped, Packed, attach_codes, unpack
 from ..saved import PackedMask, load, save
-from .base import MesaModule, cast, no_autocast_backward, record_input
+from .base import MesaModule, cast, no_autocast_backward, record_input, returns_owned
 
 
 class MesaGELUFunction(torch.autograd.Function):
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, approximate: str,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
         record_input(ctx, x)
@@ -54,6 +55,7 @@ class MesaReLUFunction(torch.autograd.Function):
     """ReLU keeping only ``output > 0`` as one bit per element; supports in-place."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
         if inplace:
             ctx.mark_dirty(x)

@@ -19,7 +19,7 @@ from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
 from .attention_core import ATTENTION_QUANTIZERS, MesaAttentionFunction, recomputes_maps
-from .base import MesaModule, autocast_inputs, autocast_off, no_autocast_backward
+from .base import MesaModule, autocast_inputs, autocast_off, no_autocast_backward, returns_owned
 from .dropout import MesaDropout
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMul
@@ -38,6 +38,7 @@ class MesaInProjectionFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor | None,
                 quantizers: tuple[ActivationQuantizer, ...]) -> tuple[torch.Tensor, ...]:

@@ -28,7 +28,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
-from .base import DECODE_CHUNK_BYTES, cast, no_autocast_backward, record_input
+from .base import DECODE_CHUNK_BYTES, cast, no_autocast_backward, record_input, returns_owned
 from .dropout import dropout_with_mask
 
 # The quantizers of a module that uses the Function (``MesaModule.mesa_quantizers``): q, k and v
@@ -155,6 +155,7 @@ class MesaAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 table: torch.Tensor | None, index: torch.Tensor | None,
                 mask: torch.Tensor | None, score_scale: float | None, dropout_p: float,

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .base import returns_owned
+
 # Elements of one band's upsampled logits (16 MiB in fp32): small next to the activations, large
 # enough that the per-band overhead (two halo rows per band) stays a few percent.
 BAND_ELEMENTS = 1 << 22
@@ -147,6 +149,7 @@ class BandedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor,
                 labels_fn: Callable[[], torch.Tensor], spec: BandedLossSpec,
                 out_dtypes: list) -> tuple[torch.Tensor, ...]:

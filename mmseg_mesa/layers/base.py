@@ -122,6 +122,38 @@ class MesaModule:
         return False
 
 
+def returns_owned(forward: Callable) -> Callable:
+    """The forward of a Mesa autograd Function returns no view that a later in-place op cannot
+    modify.
+
+    ``F.linear`` of a 3-D input (and other ops) returns a view, and autograd refuses in-place ops
+    on a custom Function's view outputs, which mmdet's FFN (``ReLU(inplace=True)`` after a
+    Linear) and ``add_`` / ``mul_`` / ``clamp_`` successors do. Such an output is returned as its
+    ``detach()``: the same storage and version counter (so saved-tensor checks still see a later
+    in-place change), no copy, and no view. An input returned as it is (an in-place activation,
+    ``ctx.mark_dirty``) stays as it is.
+    """
+
+    @functools.wraps(forward)
+    def wrapper(ctx: Any, *args: Any) -> Any:
+        out = forward(ctx, *args)
+        if isinstance(out, tuple):
+            return tuple(_owned(o, args) for o in out)
+        return _owned(out, args)
+
+    wrapper.mesa_returns_owned = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _owned(out: Any, args: tuple) -> Any:
+    if isinstance(out, torch.Tensor) and out._is_view():
+        for a in args:
+            if out is a:
+                return out
+        return out.detach()
+    return out
+
+
 def device_type(t: torch.Tensor) -> str:
     """``t.device.type``, without building a device object for CPU tensors (a few us, and every
     layer call asks)."""

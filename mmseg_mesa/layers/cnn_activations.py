@@ -31,6 +31,7 @@ from .base import (
     autocast_off,
     no_autocast_backward,
     record_input,
+    returns_owned,
     sum_to,
 )
 
@@ -44,6 +45,7 @@ class MesaPiecewiseFunction(torch.autograd.Function):
     """An activation whose derivative is ``inside`` where a 1-bit mask is set, else ``outside``."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                 region: Callable[[torch.Tensor], torch.Tensor], inside: float, outside: float,
                 inplace: bool) -> torch.Tensor:
@@ -129,6 +131,7 @@ class MesaSmoothFunction(torch.autograd.Function):
     """SiLU / Sigmoid / Tanh keeping one quantized copy (of the input or of the output)."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                 kind: str, inplace: bool, quantizer: ActivationQuantizer) -> torch.Tensor:
         record_input(ctx, x)
@@ -187,6 +190,7 @@ class MesaHardswishFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, inplace: bool, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
         record_input(ctx, x)
@@ -224,6 +228,7 @@ class MesaELUFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, alpha: float, inplace: bool,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
         record_input(ctx, x)
@@ -259,6 +264,7 @@ class MesaPReLUFunction(torch.autograd.Function):
     """``F.prelu`` keeping the sign bit of x and, for the weight gradient, its negative part."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
         xc, wc = autocast_inputs(ctx, x, weight)

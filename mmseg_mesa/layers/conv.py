@@ -9,7 +9,13 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer
-from .base import MesaModule, no_autocast_backward, weighted_backward, weighted_forward
+from .base import (
+    MesaModule,
+    no_autocast_backward,
+    returns_owned,
+    weighted_backward,
+    weighted_forward,
+)
 
 
 def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> torch.Tensor:
@@ -29,6 +35,7 @@ class MesaConv2dFunction(torch.autograd.Function):
     """``F.conv2d`` (numeric padding) keeping a packed input; backward via ``torch.nn.grad``."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: tuple, padding: tuple, dilation: tuple, groups: int,
                 quantizer: ActivationQuantizer, explicit_pad: tuple | None = None,

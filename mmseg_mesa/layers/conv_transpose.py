@@ -9,7 +9,13 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer
-from .base import MesaModule, no_autocast_backward, weighted_backward, weighted_forward
+from .base import (
+    MesaModule,
+    no_autocast_backward,
+    returns_owned,
+    weighted_backward,
+    weighted_forward,
+)
 from .conv import conv_bias_grad
 
 
@@ -24,6 +30,7 @@ class MesaConvTranspose2dFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: tuple, padding: tuple, output_padding: tuple, groups: int,
                 dilation: tuple, quantizer: ActivationQuantizer) -> torch.Tensor:

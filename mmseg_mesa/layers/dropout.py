@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..saved import PackedMask, load, save
-from .base import MesaModule
+from .base import MesaModule, returns_owned
 
 
 def dropout_with_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,6 +27,7 @@ def dropout_with_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Te
 class MesaDropoutFunction(torch.autograd.Function):
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, p: float) -> torch.Tensor:
         ctx.p = p
         y, mask = dropout_with_mask(x, p)
@@ -52,6 +53,7 @@ class MesaDropPathFunction(torch.autograd.Function):
     """mmcv's ``drop_path`` (per-sample stochastic depth), keeping one bit per sample."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, drop_prob: float) -> torch.Tensor:
         keep_prob = 1 - drop_prob
         shape = (x.shape[0],) + (1,) * (x.dim() - 1)

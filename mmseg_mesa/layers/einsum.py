@@ -7,7 +7,7 @@ import torch
 
 from ..quantizer import ActivationQuantizer, packed_reusing
 from ..saved import save
-from .base import no_autocast_backward, operand_gradients, record_input
+from .base import no_autocast_backward, operand_gradients, record_input, returns_owned
 
 
 def gradient_equations(equation: str) -> tuple[str, str] | None:
@@ -39,6 +39,7 @@ class MesaEinsumFunction(torch.autograd.Function):
     quantizer, or as it is where that is None."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, equation: str, a: torch.Tensor, b: torch.Tensor,
                 quant_a: ActivationQuantizer | None, quant_b: ActivationQuantizer | None
                 ) -> torch.Tensor:

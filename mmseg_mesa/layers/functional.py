@@ -31,6 +31,7 @@ from .base import (
     no_autocast_backward,
     operand_gradients,
     record_input,
+    returns_owned,
     row_group_config,
     sum_to,
 )
@@ -58,6 +59,7 @@ class MesaMulFunction(torch.autograd.Function):
     quantizer is given, as it is otherwise (Parameters, small gates)."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor,
                 quant_a: ActivationQuantizer | None, quant_b: ActivationQuantizer | None
                 ) -> torch.Tensor:

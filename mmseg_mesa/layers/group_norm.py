@@ -18,7 +18,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, no_autocast_backward, record_input
+from .base import MesaModule, no_autocast_backward, record_input, returns_owned
 from .norm import normalized, normalized_input_grad
 
 
@@ -30,6 +30,7 @@ def grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
 class MesaGroupNormFunction(torch.autograd.Function):
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, num_groups: int, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, eps: float, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:

@@ -8,13 +8,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantizer import ActivationQuantizer
-from .base import MesaModule, no_autocast_backward, weighted_backward, weighted_forward
+from .base import (
+    MesaModule,
+    no_autocast_backward,
+    returns_owned,
+    weighted_backward,
+    weighted_forward,
+)
 
 
 class MesaLinearFunction(torch.autograd.Function):
     """``F.linear`` that keeps a packed copy of its input (and the weight Parameter)."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
         return weighted_forward(ctx, F.linear, x, weight, bias, quantizer)

@@ -14,6 +14,7 @@ from .base import (
     autocast_off,
     no_autocast_backward,
     operand_gradients,
+    returns_owned,
     sum_to,
 )
 
@@ -21,6 +22,7 @@ from .base import (
 class MesaMatMulFunction(torch.autograd.Function):
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, quant_a: ActivationQuantizer,
                 quant_b: ActivationQuantizer) -> torch.Tensor:
         ac, bc = autocast_inputs(ctx, a, b)

@@ -21,6 +21,7 @@ from .base import (
     device_type,
     no_autocast_backward,
     record_input,
+    returns_owned,
 )
 
 # Moments torch's norms return that are kept as they are; half-precision ones (bf16 or fp16
@@ -92,6 +93,7 @@ class MesaLayerNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, normalized_shape: tuple, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, eps: float, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
@@ -189,6 +191,7 @@ class MesaBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, running_mean: torch.Tensor | None,
                 running_var: torch.Tensor | None, momentum: float, eps: float,

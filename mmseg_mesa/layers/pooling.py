@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..saved import load, save
-from .base import MesaModule
+from .base import MesaModule, returns_owned
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
@@ -70,6 +70,7 @@ def flat_indices(local: torch.Tensor, width: int, kernel: tuple[int, int],
 class MesaMaxPool2dFunction(torch.autograd.Function):
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
                 padding: tuple[int, int], dilation: tuple[int, int], ceil_mode: bool
                 ) -> torch.Tensor:
@@ -121,6 +122,7 @@ class MesaLinearPoolFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, pool: Any) -> torch.Tensor:
         device_type = x.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type),

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .base import returns_owned
+
 LossFn = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 
 
@@ -25,6 +27,7 @@ class RecomputedLoss(torch.autograd.Function):
     """``loss_fn(logits)`` (a dict of tensors, mmseg's convention) saving only ``logits``."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, loss_fn: LossFn, names_out: list[str],
                 logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
         device_type = logits.device.type

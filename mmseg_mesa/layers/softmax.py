@@ -9,12 +9,13 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, attach_codes, unpack
 from ..saved import SOFTMAX_OUTPUT, load, save
-from .base import MesaModule, no_autocast_backward, record_input
+from .base import MesaModule, no_autocast_backward, record_input, returns_owned
 
 
 class MesaSoftmaxFunction(torch.autograd.Function):
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, dim: int, quantizer: ActivationQuantizer
                 ) -> torch.Tensor:
         record_input(ctx, x)

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, no_autocast_backward, record_input
+from .base import MesaModule, no_autocast_backward, record_input, returns_owned
 from .norm import (
     MesaBatchNormFunction,
     batch_norm_grads,
@@ -96,6 +96,7 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, running_mean: torch.Tensor | None,
                 running_var: torch.Tensor | None, momentum: float, eps: float,
