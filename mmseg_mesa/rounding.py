@@ -12,6 +12,7 @@ which imports ``_backend``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,3 +65,41 @@ def rounding_counter(device: torch.device | str, numel: int) -> tuple[int, int]:
 def reset_rounding_generators() -> None:
     """Restart stochastic rounding streams at the next use (from the current torch seed)."""
     _STREAMS.clear()
+
+
+def rounding_state() -> dict[str, list[int]]:
+    """The position of each device type's stream (``{'cpu': [torch_seed, seed, offset]}``; for
+    CUDA, the current device's), for a checkpoint: a resumed run restores it with
+    ``restore_rounding_state`` and draws what the uninterrupted run would have drawn."""
+    state = {}
+    for key, stream in _STREAMS.items():
+        if key.type == 'cuda' and key != _device_key('cuda'):
+            continue
+        state[key.type] = [stream.torch_seed, stream.seed, stream.offset]
+    return state
+
+
+def check_rounding_state(state: Any) -> None:
+    """Raise a ValueError unless ``state`` is what ``rounding_state`` returns."""
+    if not isinstance(state, dict):
+        raise ValueError(f'rounding state: expected a dict, got {type(state).__name__}')
+    for kind, values in state.items():
+        if kind not in ('cpu', 'cuda') or not isinstance(values, (list, tuple)) \
+                or len(values) != 3 or not all(isinstance(v, int) for v in values):
+            raise ValueError(f'rounding state: expected {{"cpu" or "cuda": [torch_seed, seed, '
+                             f'offset]}}, got {kind!r}: {values!r}')
+
+
+def restore_rounding_state(state: dict[str, list[int]]) -> None:
+    """Set the streams that ``rounding_state`` recorded (CUDA's on the current device).
+
+    A stream belongs to its torch seed: a run seeded otherwise restarts it at first use, as a
+    fresh run would.
+    """
+    check_rounding_state(state)
+    for kind, values in state.items():
+        if kind == 'cuda' and not torch.cuda.is_available():
+            continue
+        key = _CPU if kind == 'cpu' else _device_key('cuda')
+        torch_seed, seed, offset = values
+        _STREAMS[key] = _Stream(torch_seed, seed & MASK64, offset & MASK64)

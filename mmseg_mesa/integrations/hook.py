@@ -1,4 +1,5 @@
-"""``MesaHook``: converts the model of an mmengine Runner before training starts."""
+"""``MesaHook``: converts the model of an mmengine Runner before training starts, and keeps
+Mesa's training state in its checkpoints."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,16 +10,27 @@ from mmengine.registry import HOOKS
 
 from ..config import MesaConfig
 from ..convert import convert_to_mesa
+from ..training_state import restore_training_state, training_state
+
+# The checkpoint's top-level key of Mesa's training state; ``state_dict`` stays plain mmseg's.
+CHECKPOINT_KEY = 'mesa'
 
 
 @HOOKS.register_module()
 class MesaHook(Hook):
-    """Convert the runner's model to Mesa in ``before_run``.
+    """Convert the runner's model to Mesa in ``before_run``; save and restore Mesa's training
+    state (``mmseg_mesa.training_state``: running estimates, rounding streams) with checkpoints.
 
     ``before_run`` comes after the model is built and wrapped (DDP) and the optimizer is built,
     and before pretrained weights are loaded and a checkpoint is resumed. Conversion swaps module
     classes in place, so Parameters (and the optimizer's references to them), buffers and
     state-dict names are untouched and both loads work unchanged.
+
+    Checkpoints keep the state under their top-level ``'mesa'`` key, so a resumed run continues
+    as the uninterrupted one would (with the step's own random streams off, bit for bit), while
+    ``state_dict`` keeps plain mmseg's keys and plain mmseg ignores the extra key. A checkpoint
+    without it (plain mmseg's, or an older one) loads as before: the estimates start from the
+    next batch. Under DDP only rank 0 saves, so every rank resumes with rank 0's estimates.
 
     Args:
         mesa: ``True``, a ``dict`` of ``MesaConfig`` fields, or None to read ``cfg.mesa`` from
@@ -47,3 +59,24 @@ class MesaHook(Hook):
         # a collective per layer and step for nothing.
         self.report = convert_to_mesa(model, config=config)
         runner.logger.info(f'Mesa ({config}):\n{self.report.format()}')
+
+    def _converted_model(self, runner: Any) -> Any:
+        if self.report is None:  # Mesa is off in this run
+            return None
+        return runner.model.module if is_model_wrapper(runner.model) else runner.model
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
+        model = self._converted_model(runner)
+        if model is not None:
+            checkpoint[CHECKPOINT_KEY] = training_state(model)
+
+    def after_load_checkpoint(self, runner: Any, checkpoint: dict) -> None:
+        model = self._converted_model(runner)
+        if model is None:
+            return
+        if CHECKPOINT_KEY not in checkpoint:
+            runner.logger.info('Mesa: the checkpoint has no Mesa training state; the running '
+                               'estimates start from the next batch')
+            return
+        report = restore_training_state(model, checkpoint[CHECKPOINT_KEY])
+        runner.logger.info(f'Mesa: {report.format()}')

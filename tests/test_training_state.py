@@ -1,0 +1,141 @@
+"""A checkpoint keeps Mesa's running estimates and rounding-stream position, and a model that
+restores them continues as the uninterrupted one (``mmseg_mesa.training_state``)."""
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.quantizer import reset_rounding_generators
+from mmseg_mesa.rounding import rounding_state
+from mmseg_mesa.training_state import quantizers, restore_training_state, training_state
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+
+
+def batch(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(4, 6, 16, generator=gen) * (1 + step)
+
+
+def step(model, optimizer, k):
+    optimizer.zero_grad()
+    model(batch(k)).pow(2).mean().backward()
+    optimizer.step()
+
+
+def round_trip(state):
+    """Through a file as a checkpoint stores it, loaded the way torch >= 2.6 loads by default."""
+    buf = io.BytesIO()
+    torch.save({'mesa': state}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)['mesa']
+
+
+def continued_from(state, weights, config):
+    """A fresh converted model with ``weights``, the state restored (or not), after step 2."""
+    model = make_model()
+    convert_to_mesa(model, config=config)
+    model.load_state_dict(weights)
+    report = restore_training_state(model, state) if state is not None else None
+    return model, report
+
+
+@pytest.mark.parametrize('config', [MesaConfig(), MesaConfig(stochastic_rounding=False)],
+                         ids=['stochastic', 'nearest'])
+def test_restored_model_continues_as_the_uninterrupted_one(config):
+    model = make_model()
+    convert_to_mesa(model, config=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k in range(2):
+        step(model, optimizer, k)
+    state = round_trip(training_state(model))
+    weights = copy.deepcopy(model.state_dict())
+    assert set(weights) == set(make_model().state_dict())  # keys stay plain torch's
+    saved = {name: q.lower.clone() for name, q in quantizers(model).items()}
+    assert set(state['estimates']) == set(saved)
+    # the last Linear saves the LayerNorm's codes: its own quantizer has nothing to keep
+    assert [n for n, q in quantizers(model).items() if not q.seen.numel()] == ['3.quant_input']
+    step(model, optimizer, 2)
+    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
+    after = {name: (q.lower.clone(), q.span.clone()) for name, q in quantizers(model).items()}
+
+    def resumed(restore):
+        reset_rounding_generators()  # a new process: the stream would start over
+        other, report = continued_from(state if restore else None, weights, config)
+        if restore:
+            assert report.restored == 4 and not report.fresh and not report.unused
+            # the first resumed step starts from the saved ranges, not from its own batch
+            for name, q in quantizers(other).items():
+                assert torch.equal(q.lower, saved[name]) and q.seen.all()
+                assert q.seen.numel() == (name != '3.quant_input') * q.lower.numel()
+        opt = torch.optim.SGD(other.parameters(), lr=0.1)
+        step(other, opt, 2)
+        return other
+
+    other = resumed(restore=True)
+    for name, param in other.named_parameters():
+        assert torch.equal(param, uninterrupted[name]), name
+    for name, q in quantizers(other).items():  # the EMA went on from the saved estimates
+        assert torch.equal(q.lower, after[name][0]) and torch.equal(q.span, after[name][1])
+    # Without the state the step differs: the estimates restart from the batch (and the
+    # stochastic rounding draws restart), which is what resuming used to do.
+    fresh = resumed(restore=False)
+    assert any(not torch.equal(p, uninterrupted[n]) for n, p in fresh.named_parameters())
+
+
+def test_rounding_stream_position_is_in_the_state():
+    model = make_model()
+    convert_to_mesa(model, config=MesaConfig())
+    model(batch(0)).sum().backward()
+    state = training_state(model)
+    torch_seed, _, offset = state['rounding']['cpu']
+    assert torch_seed == torch.initial_seed() and offset > 0
+    reset_rounding_generators()
+    assert rounding_state() == {}
+    restore_training_state(model, round_trip(state))
+    assert rounding_state() == state['rounding']
+
+
+def test_state_of_another_model_restores_what_matches_and_says_what_not():
+    model = make_model()
+    convert_to_mesa(model, config=MesaConfig())
+    model(batch(0)).sum().backward()
+    state = training_state(model)
+    state['estimates']['9.quant_input'] = state['estimates'].pop('0.quant_input')
+    other = make_model()
+    convert_to_mesa(other, config=MesaConfig())
+    report = restore_training_state(other, state)
+    assert report.restored == 3 and report.fresh == ['0.quant_input']
+    assert report.unused == ['9.quant_input']
+    assert 'start from their next batch' in report.format()
+    assert quantizers(other)['0.quant_input'].seen.numel() == 0
+    assert quantizers(other)['1.quant_input'].seen.all()
+
+
+@pytest.mark.parametrize('mutate, message', [
+    (lambda s: s.update(format=99), 'not a Mesa training state'),
+    (lambda s: s.pop('rounding'), 'not a Mesa training state'),
+    (lambda s: s['estimates']['0.quant_input'].pop('seen'), "estimates of '0.quant_input'"),
+    (lambda s: s['estimates']['0.quant_input'].update(span=torch.zeros(3)),
+     "estimates of '0.quant_input'"),
+    (lambda s: s['rounding'].update(cpu=[1, 2]), 'rounding state'),
+])
+def test_malformed_state_is_refused_before_anything_changes(mutate, message):
+    model = make_model()
+    convert_to_mesa(model, config=MesaConfig())
+    model(batch(0)).sum().backward()
+    state = training_state(model)
+    mutate(state)
+    other = make_model()
+    convert_to_mesa(other, config=MesaConfig())
+    reset_rounding_generators()
+    with pytest.raises(ValueError, match=message):
+        restore_training_state(other, state)
+    assert all(q.seen.numel() == 0 for q in quantizers(other).values())
+    assert rounding_state() == {}
