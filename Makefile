@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MMCV_VERSION := 2.1.0
 
-.PHONY: env test lint demo benchmark benchmark-kernels info clean-ext
+.PHONY: env test lint demo benchmark benchmark-kernels benchmark-training info clean-ext
 
 $(PY):
 	$(PY_BOOT) -m venv $(VENV)
@@ -54,6 +54,12 @@ benchmark: env
 
 benchmark-kernels: env
 	$(PY) tools/benchmark_kernels.py --json work_dirs/benchmarks/kernels.json
+
+# Same accuracy? The demo model for 3 seeds, baseline and default (about 20 min on 2 cores);
+# e.g. TRAINING_ARGS="--modes baseline default paper max-saving" for more presets.
+TRAINING_ARGS ?=
+benchmark-training: env
+	$(PY) tools/benchmark_training.py $(TRAINING_ARGS)
 
 info: env
 	$(PY) -m mmseg_mesa.info

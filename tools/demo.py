@@ -24,34 +24,19 @@ import argparse
 import json
 import os
 import os.path as osp
-import subprocess
-import sys
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any
+
+from mmseg_mesa.demo.runs import FULL, QUICK, TrainingRun, cfg_options, read_scalars
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 CONFIGS = {
     'baseline': osp.join(REPO, 'configs', 'demo', 'swin-mini_upernet_demo.py'),
     'mesa': osp.join(REPO, 'configs', 'demo', 'mesa_swin-mini_upernet_demo.py'),
 }
+TRAIN_SCRIPT = osp.join(REPO, 'tools', 'train.py')
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """Dataset size and training length of a demo run."""
-
-    num_train: int
-    num_val: int
-    size: int
-    max_iters: int | None  # None keeps the config's schedule
-    batch_size: int | None = None
-    log_interval: int | None = None
-
-
-FULL = Schedule(num_train=2000, num_val=200, size=64, max_iters=None)
-QUICK = Schedule(num_train=16, num_val=8, size=64, max_iters=6, batch_size=4, log_interval=2)
 # What the planner fills: at 64x64 the demo model's step peak is some 50 MiB of weights, gradients
 # and AdamW state plus a few MiB per image, so 1 GiB holds batches of hundreds.
 DEFAULT_BUDGET = '1GiB'
@@ -81,30 +66,6 @@ def parse_args() -> argparse.Namespace:
                              'when there are two or more cores: each gets a core, the demo '
                              'takes ~40%% less time, and CPU times are unaffected)')
     return parser.parse_args()
-
-
-def cfg_options(data_root: str, seed: int, schedule: Schedule) -> dict[str, Any]:
-    """Overrides for both configs: data location, seed and (for --quick) the schedule."""
-    options: dict[str, Any] = {'randomness.seed': seed}
-    for loader in ('train_dataloader', 'val_dataloader', 'test_dataloader'):
-        options[f'{loader}.dataset.data_root'] = data_root
-    if schedule.batch_size is not None:
-        options['train_dataloader.batch_size'] = schedule.batch_size
-    if schedule.log_interval is not None:
-        options['default_hooks.logger.interval'] = schedule.log_interval
-    if schedule.max_iters is not None:
-        iters = schedule.max_iters
-        warmup = max(1, iters // 10)
-        options.update({
-            'train_cfg.max_iters': iters, 'train_cfg.val_interval': iters,
-            'default_hooks.checkpoint.interval': iters,
-            'param_scheduler.0.end': warmup, 'param_scheduler.1.begin': warmup,
-            'param_scheduler.1.end': iters})
-    return options
-
-
-def option_args(options: dict[str, Any]) -> list[str]:
-    return [f'{key}={value}' for key, value in options.items()]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,92 +156,19 @@ def measure_memory(options: dict[str, Any], seed: int, budget: int) -> dict[str,
 
 
 # ---------------------------------------------------------------------------------------------
-# Training runs: one tools/train.py subprocess per config.
-class TrainingRun:
-    """One ``tools/train.py`` subprocess: its output streamed with a prefix, its usage recorded.
-
-    A thread streams the child's output and then reaps it with ``os.wait4``, which gives the
-    child's own peak RSS and CPU time (not those of this process or of the other run).
-    """
-
-    def __init__(self, name: str, config: str, work_dir: str, options: dict[str, Any],
-                 threads: int) -> None:
-        self.name, self.work_dir = name, work_dir
-        os.makedirs(work_dir, exist_ok=True)
-        self._before = set(os.listdir(work_dir))
-        cmd = [sys.executable, '-u', osp.join(REPO, 'tools', 'train.py'), config,
-               '--work-dir', work_dir, '--cfg-options', *option_args(options)]
-        env = dict(os.environ)
-        env['PYTHONPATH'] = os.pathsep.join(p for p in (REPO, env.get('PYTHONPATH')) if p)
-        env['OMP_NUM_THREADS'] = env['MKL_NUM_THREADS'] = str(threads)
-        print(f'[{name}] $ {" ".join(cmd)}', flush=True)
-        self._start = time.perf_counter()
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      env=env, text=True, bufsize=1)
-        self._result: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._stream_and_reap, daemon=True)
-        self._thread.start()
-
-    def _stream_and_reap(self) -> None:
-        proc = self._proc
-        assert proc.stdout is not None
-        with proc.stdout:
-            for line in proc.stdout:
-                print(f'[{self.name}] {line}', end='', flush=True)
-        _, status, usage = os.wait4(proc.pid, 0)  # ru_maxrss is in KiB on Linux
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        self._result = dict(train_time_s=round(time.perf_counter() - self._start, 2),
-                            cpu_time_s=round(usage.ru_utime + usage.ru_stime, 2),
-                            peak_rss_bytes=int(usage.ru_maxrss) * 1024)
-
-    def wait(self) -> dict[str, Any]:
-        """Wait for the run; its wall and CPU time, peak RSS and run directory."""
-        self._thread.join()
-        if self._proc.returncode != 0:
-            raise SystemExit(f'demo: the {self.name} run failed (exit code '
-                             f'{self._proc.returncode}); see its log above and under '
-                             f'{self.work_dir}')
-        runs = sorted(set(os.listdir(self.work_dir)) - self._before)
-        runs = [r for r in runs
-                if osp.isfile(osp.join(self.work_dir, r, 'vis_data', 'scalars.json'))]
-        if not runs:
-            raise SystemExit(f'demo: the {self.name} run wrote no vis_data/scalars.json '
-                             f'under {self.work_dir}')
-        return dict(self._result, run_dir=osp.join(self.work_dir, runs[-1]))
-
-
+# Training runs: one tools/train.py subprocess per config (mmseg_mesa.demo.runs).
 def train_all(work_dir: str, options: dict[str, Any], threads: int, parallel: bool
               ) -> dict[str, dict[str, Any]]:
     """Train every config, one after the other or (``parallel``) all at once."""
     results, pending = {}, []
     for name, config in CONFIGS.items():
-        pending.append(TrainingRun(name, config, osp.join(work_dir, name), options, threads))
+        pending.append(TrainingRun(name, TRAIN_SCRIPT, config, osp.join(work_dir, name),
+                                   options, threads))
         if not parallel:
             results[name] = pending.pop().wait()
     for run in pending:
         results[run.name] = run.wait()
     return results
-
-
-def read_scalars(run_dir: str) -> dict[str, Any]:
-    """Loss curve, final loss and validation metrics from a run's ``scalars.json``."""
-    iters, losses, times, val = [], [], [], {}
-    with open(osp.join(run_dir, 'vis_data', 'scalars.json')) as f:
-        for line in f:
-            record = json.loads(line)
-            if 'mIoU' in record:
-                val = record
-            elif 'loss' in record:
-                iters.append(record['iter'])
-                losses.append(record['loss'])
-                times.append(record.get('time'))
-    if not val:
-        raise SystemExit(f'demo: no validation result (mIoU) in {run_dir}/vis_data/scalars.json')
-    times = [t for t in times if t is not None]
-    return dict(miou=float(val['mIoU']), aacc=float(val.get('aAcc', 'nan')),
-                macc=float(val.get('mAcc', 'nan')), final_loss=float(losses[-1]),
-                iter_time_s=round(sum(times) / len(times), 4) if times else None,
-                loss_curve=dict(iter=iters, loss=losses))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,8 +263,6 @@ def plot(summary: dict[str, dict[str, Any]], curves: dict[str, dict[str, list]],
 
 def main() -> None:
     args = parse_args()
-    if REPO not in sys.path:  # run as a script from a checkout that is not installed
-        sys.path.insert(0, REPO)
     schedule = QUICK if args.quick else FULL
     work_dir = osp.abspath(args.work_dir)
     data_root = osp.abspath(args.data_root)

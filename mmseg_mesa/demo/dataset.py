@@ -35,6 +35,9 @@ CLASS_COLOURS = np.array([[125, 115, 100], [190, 90, 80], [90, 110, 180], [100, 
                           [190, 170, 90], [150, 100, 160]], dtype=np.float32)
 COLOUR_SPREAD = 15.0
 PIXEL_NOISE = 6.0
+# Settings of the generator: (colour spread, pixel noise). 'hard' is the version that neither run
+# of the demo model had converged on after 1000 steps: a harder test of training fidelity.
+DIFFICULTIES = {'standard': (COLOUR_SPREAD, PIXEL_NOISE), 'hard': (30.0, 12.0)}
 FORMAT_VERSION = 2
 MARKER = 'mesa_demo.json'
 SPLITS = {'training': 0, 'validation': 1}
@@ -42,8 +45,8 @@ SPLITS = {'training': 0, 'validation': 1}
 Rng = np.random.Generator
 
 
-def _colour(rng: Rng, label: int) -> np.ndarray:
-    return np.clip(CLASS_COLOURS[label - 1] + rng.normal(0.0, COLOUR_SPREAD, 3), 0, 255)
+def _colour(rng: Rng, label: int, spread: float) -> np.ndarray:
+    return np.clip(CLASS_COLOURS[label - 1] + rng.normal(0.0, spread, 3), 0, 255)
 
 
 def _smooth_noise(rng: Rng, size: int, cells: int) -> np.ndarray:
@@ -56,45 +59,46 @@ def _coords(size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.mgrid[0:size, 0:size].astype(np.float32)
 
 
-# Textures: (rng, size) -> float32 image HxWx3 in about [0, 255], one function per class.
-def _ground(rng: Rng, size: int) -> np.ndarray:
-    base = _colour(rng, 1)
+# Textures: (rng, size, colour spread) -> float32 image HxWx3 in about [0, 255], one per class.
+def _ground(rng: Rng, size: int, spread: float) -> np.ndarray:
+    base = _colour(rng, 1, spread)
     shade = _smooth_noise(rng, size, 5)[..., None] * 35.0
     return base + shade + _smooth_noise(rng, size, size // 3)[..., None] * 12.0
 
 
-def _disc(rng: Rng, size: int) -> np.ndarray:
+def _disc(rng: Rng, size: int, spread: float) -> np.ndarray:
     yy, xx = _coords(size)
     angle = rng.uniform(0, 2 * math.pi)
     ramp = (np.cos(angle) * xx + np.sin(angle) * yy) / size
-    return _colour(rng, 2) + ramp[..., None] * rng.uniform(40, 80) * np.array([1.0, 0.6, 0.4])
+    tint = np.array([1.0, 0.6, 0.4])
+    return _colour(rng, 2, spread) + ramp[..., None] * rng.uniform(40, 80) * tint
 
 
-def _box(rng: Rng, size: int) -> np.ndarray:
+def _box(rng: Rng, size: int, spread: float) -> np.ndarray:
     yy, xx = _coords(size)
     period = int(rng.integers(4, 8))
     checker = ((xx // period + yy // period) % 2)[..., None]
-    return _colour(rng, 3) + (checker - 0.5) * rng.uniform(30, 60)
+    return _colour(rng, 3, spread) + (checker - 0.5) * rng.uniform(30, 60)
 
 
-def _triangle(rng: Rng, size: int) -> np.ndarray:
+def _triangle(rng: Rng, size: int, spread: float) -> np.ndarray:
     speckle = (rng.random((size, size)) < 0.25).astype(np.float32)[..., None]
-    return _colour(rng, 4) + (speckle - 0.25) * rng.uniform(60, 100)
+    return _colour(rng, 4, spread) + (speckle - 0.25) * rng.uniform(60, 100)
 
 
-def _stripes(rng: Rng, size: int) -> np.ndarray:
+def _stripes(rng: Rng, size: int, spread: float) -> np.ndarray:
     yy, xx = _coords(size)
     angle = rng.uniform(0, math.pi)
     period = rng.uniform(5, 9)
     phase = (np.cos(angle) * xx + np.sin(angle) * yy) * (2 * math.pi / period)
-    return _colour(rng, 5) + np.sin(phase)[..., None] * rng.uniform(30, 50)
+    return _colour(rng, 5, spread) + np.sin(phase)[..., None] * rng.uniform(30, 50)
 
 
-def _ring(rng: Rng, size: int) -> np.ndarray:
-    return _colour(rng, 6) + _smooth_noise(rng, size, size // 2)[..., None] * 25.0
+def _ring(rng: Rng, size: int, spread: float) -> np.ndarray:
+    return _colour(rng, 6, spread) + _smooth_noise(rng, size, size // 2)[..., None] * 25.0
 
 
-TEXTURES: dict[int, Callable[[Rng, int], np.ndarray]] = {
+TEXTURES: dict[int, Callable[[Rng, int, float], np.ndarray]] = {
     1: _ground, 2: _disc, 3: _box, 4: _triangle, 5: _stripes, 6: _ring}
 
 
@@ -123,16 +127,19 @@ def _draw_shape(rng: Rng, mask: np.ndarray, label: int) -> None:
         raise ValueError(f'no shape for label {label}')
 
 
-def make_scene(rng: Rng, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """One image (uint8 HxWx3, RGB) and its label map (uint8 HxW, ADE convention)."""
-    image = TEXTURES[1](rng, size)
+def make_scene(rng: Rng, size: int, difficulty: str = 'standard'
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """One image (uint8 HxWx3, RGB) and its label map (uint8 HxW, ADE convention), with the
+    colour spread and pixel noise of ``difficulty`` (a key of ``DIFFICULTIES``)."""
+    spread, noise = DIFFICULTIES[difficulty]
+    image = TEXTURES[1](rng, size, spread)
     label = np.ones((size, size), np.uint8)
     num_classes = len(CLASSES)
     for cls in rng.integers(2, num_classes + 1, int(rng.integers(3, 7))):
         mask = np.zeros((size, size), np.uint8)
         _draw_shape(rng, mask, int(cls))
         inside = mask.astype(bool)
-        image[inside] = TEXTURES[int(cls)](rng, size)[inside]
+        image[inside] = TEXTURES[int(cls)](rng, size, spread)[inside]
         label[inside] = cls
     # Clutter: small blobs of unrelated colour noise, labelled "other" (0).
     for _ in range(int(rng.integers(0, 3))):
@@ -144,7 +151,7 @@ def make_scene(rng: Rng, size: int) -> tuple[np.ndarray, np.ndarray]:
         label[inside] = 0
     cast = rng.normal(0.0, 10.0, 3)
     contrast = rng.uniform(0.8, 1.2)
-    image = (image - 128.0) * contrast + 128.0 + cast + rng.normal(0.0, PIXEL_NOISE, image.shape)
+    image = (image - 128.0) * contrast + 128.0 + cast + rng.normal(0.0, noise, image.shape)
     return np.clip(image, 0, 255).round().astype(np.uint8), label
 
 
@@ -153,7 +160,7 @@ def _stem(split: str, index: int) -> str:
 
 
 def write_demo_dataset(root: str, *, num_train: int = 2000, num_val: int = 200, size: int = 64,
-                       seed: int = 0) -> dict[str, Any]:
+                       seed: int = 0, difficulty: str = 'standard') -> dict[str, Any]:
     """Write the demo dataset under ``root`` in ADE20K layout, unless it is already there.
 
     ``root/images/{training,validation}/*.jpg`` and ``root/annotations/{training,validation}/*.png``
@@ -167,17 +174,22 @@ def write_demo_dataset(root: str, *, num_train: int = 2000, num_val: int = 200, 
         num_val: Number of validation images. Defaults to 200.
         size: Side of the square images, in pixels. Defaults to 64.
         seed: Seed of the scene generator. Defaults to 0.
+        difficulty: ``'standard'`` or ``'hard'`` (``DIFFICULTIES``: twice the colour spread
+            and pixel noise). Defaults to ``'standard'``.
 
     Returns:
-        ``dict(root, classes, num_train, num_val, size, seed, written)``, where ``written`` says
-        whether files were written by this call.
+        ``dict(root, classes, num_train, num_val, size, seed, difficulty, written)``, where
+        ``written`` says whether files were written by this call.
     """
     if size < 16:
         raise ValueError(f'write_demo_dataset: size must be >= 16, got {size}')
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f'write_demo_dataset: difficulty must be one of '
+                         f'{", ".join(DIFFICULTIES)}, got {difficulty!r}')
     params = dict(version=FORMAT_VERSION, num_train=int(num_train), num_val=int(num_val),
-                  size=int(size), seed=int(seed))
+                  size=int(size), seed=int(seed), difficulty=difficulty)
     info = dict(root=root, classes=CLASSES, num_train=num_train, num_val=num_val, size=size,
-                seed=seed)
+                seed=seed, difficulty=difficulty)
     marker = osp.join(root, MARKER)
     if osp.isfile(marker):
         with open(marker) as f:
@@ -195,7 +207,7 @@ def write_demo_dataset(root: str, *, num_train: int = 2000, num_val: int = 200, 
         count = params['num_train'] if split == 'training' else params['num_val']
         for index in range(count):
             rng = np.random.default_rng([seed, split_id, index, size])
-            image, label = make_scene(rng, size)
+            image, label = make_scene(rng, size, difficulty)
             stem = _stem(split, index)
             cv2.imwrite(osp.join(image_dir, stem + '.jpg'), image[..., ::-1],
                         [cv2.IMWRITE_JPEG_QUALITY, 95])

@@ -19,7 +19,7 @@ def step_train(check: Check) -> None:
     wait_mmcv(check)
     if not check.begin(name, needs_s=60):
         return
-    demo = load_demo_tool()
+    demo = load_demo_runs()
     sizes, data_root = check.sizes, check.work / 'demo_data'
     schedule = demo.Schedule(num_train=4 * sizes.train_batch, num_val=8, size=64,
                              max_iters=sizes.train_iters, batch_size=sizes.train_batch,
@@ -94,9 +94,11 @@ def step_train(check: Check) -> None:
                  seconds=round(time.monotonic() - start, 1))
 
 
-def load_demo_tool() -> Any:
-    """tools/demo.py as a module: its Schedule and cfg_options are how demo runs are set."""
-    spec = importlib.util.spec_from_file_location('mesa_demo_tool', REPO / 'tools' / 'demo.py')
+def load_demo_runs() -> Any:
+    """``mmseg_mesa/demo/runs.py`` (standard library only), loaded by its path: its Schedule
+    and cfg_options are how demo runs are set, and this process need not import the stack."""
+    spec = importlib.util.spec_from_file_location('mesa_demo_runs',
+                                                  REPO / 'mmseg_mesa' / 'demo' / 'runs.py')
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
