@@ -13,6 +13,7 @@ from .layers import (
                      MesaAvgPool2d,
                      MesaBatchNorm,
                      MesaBatchNorm2d,
+                     MesaConv1d,
                      MesaConv2d,
                      MesaConvTranspose2d,
                      MesaDropout,
@@ -49,5 +50,5 @@ __all__ = [
     'DivisionPacked', 'DivisionSpec', '__version__',
     'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
     'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
-    'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d',
+    'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d', 'MesaConv1d',
 ]

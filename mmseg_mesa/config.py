@@ -29,6 +29,7 @@ LAYER_TYPES = (
     'activation', 'pooling', 'conv_transpose2d', 'groupnorm',
     # element-wise products a module's forward computes itself (layer scale, gated attention)
     'product',
+    'conv1d',
 )
 # Types converted only when ``layers`` names them: mmcv's drop_path keeps one number per sample
 # for backward, which its 1-bit mask does not usefully shrink, while the conversion costs a

@@ -28,14 +28,14 @@ from .layers.cnn_activations import (
     MesaSiLU,
     MesaTanh,
 )
-from .layers.conv import MesaConv2d
+from .layers.conv import MesaConv1d, MesaConv2d, conv1d_reason
 from .layers.conv_transpose import MesaConvTranspose2d, conv_transpose_reason
 from .layers.dropout import MesaDropout
 from .layers.group_norm import MesaGroupNorm
 from .layers.linear import MesaLinear
 from .layers.matmul import MatMul, MesaMatMul
 from .layers.norm import MesaBatchNorm, MesaLayerNorm
-from .layers.pooling import MesaAvgPool2d, MesaMaxPool2d
+from .layers.pooling import MesaAdaptiveAvgPool2d, MesaAvgPool2d, MesaMaxPool2d
 from .layers.softmax import MesaSoftmax
 from .layers.sync_batchnorm import MesaSyncBatchNorm
 from .registry import register_handler, register_once, swap_to
@@ -66,6 +66,8 @@ def register_torch_handlers() -> None:
     # MesaConv2d.forward calls F.conv2d itself, so an overridden _conv_forward would be lost too.
     register_handler(nn.Conv2d, 'conv2d', swap_to(MesaConv2d), _conv_check,
                      replaces=('forward', '_conv_forward'))
+    register_handler(nn.Conv1d, 'conv1d', swap_to(MesaConv1d), conv1d_reason,
+                     replaces=('forward', '_conv_forward'))
     register_handler(nn.GELU, 'gelu', swap_to(MesaGELU))
     register_handler(nn.ReLU, 'relu', swap_to(MesaReLU))
     register_handler(nn.Softmax, 'softmax', swap_to(MesaSoftmax))
@@ -84,9 +86,9 @@ def register_torch_handlers() -> None:
     register_handler(nn.MaxPool2d, 'pooling', swap_to(MesaMaxPool2d),
                      lambda m: 'return_indices=True: the int64 indices are an output'
                      if m.return_indices else None)
-    # AdaptiveAvgPool2d has no handler (MesaAdaptiveAvgPool2d is there to use by hand):
-    # tests/test_convert.py uses it as its module without one.
     register_handler(nn.AvgPool2d, 'pooling', swap_to(MesaAvgPool2d))
+    # UPerHead's and PSPNet's pyramid pooling, SE blocks: torch keeps the whole input.
+    register_handler(nn.AdaptiveAvgPool2d, 'pooling', swap_to(MesaAdaptiveAvgPool2d))
     register_handler(nn.ConvTranspose2d, 'conv_transpose2d', swap_to(MesaConvTranspose2d),
                      conv_transpose_reason)
     register_handler(nn.GroupNorm, 'groupnorm', swap_to(MesaGroupNorm))

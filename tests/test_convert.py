@@ -35,7 +35,7 @@ class Block(nn.Module):
         self.drop = nn.Dropout(0.1)
         self.fc2 = nn.Linear(dim * 4, dim)
         self.head = nn.Sequential(nn.Conv2d(dim, 16, 1), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
-        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.pool = nn.AdaptiveMaxPool2d(1)  # a type without a handler
 
     def forward(self, x):
         b, n, c = x.shape
@@ -67,8 +67,8 @@ def test_conversion_keeps_identity_names_and_parameters():
     assert isinstance(model.qkv, MesaLinear) and isinstance(model.qkv, nn.Linear)
     assert set(report.converted) == {'norm1', 'qkv', 'qk', 'softmax', 'av', 'proj', 'norm2',
                                      'fc1', 'act', 'drop', 'fc2', 'head.0', 'head.1', 'head.2'}
-    assert report.left['pool'] == ('AdaptiveAvgPool2d', 'no Mesa handler for AdaptiveAvgPool2d')
-    assert 'Linear' in report.format() and 'AdaptiveAvgPool2d' in report.format()
+    assert report.left['pool'] == ('AdaptiveMaxPool2d', 'no Mesa handler for AdaptiveMaxPool2d')
+    assert 'Linear' in report.format() and 'AdaptiveMaxPool2d' in report.format()
     # loading the original state dict needs no key mapping.
     model.load_state_dict(reference.state_dict(), strict=True)
 
@@ -138,7 +138,7 @@ def test_filter_skip_and_layer_switches():
 
 def test_nothing_to_convert_is_an_error():
     with pytest.raises(ValueError, match='nothing to convert in Sequential'):
-        convert_to_mesa(nn.Sequential(nn.Identity(), nn.AdaptiveAvgPool2d(1)))
+        convert_to_mesa(nn.Sequential(nn.Identity(), nn.AdaptiveMaxPool2d(1)))
 
 
 def test_converting_twice_is_harmless():
@@ -178,13 +178,16 @@ def test_a_second_handler_for_a_type_needs_force(tables):
     from mmseg_mesa.registry import handler_for_type, register_alias, swap_to
     with pytest.raises(KeyError, match='Linear already has a handler.*force=True'):
         register_handler(nn.Linear, 'linear', swap_to(MesaLinear))
+    class Pool(nn.AdaptiveAvgPool2d):
+        pass
+
     first, second = swap_to(MesaAdaptiveAvgPool2d), swap_to(MesaAdaptiveAvgPool2d)
-    register_handler(nn.AdaptiveAvgPool2d, 'pooling', first)
-    with pytest.raises(KeyError, match='AdaptiveAvgPool2d already has a handler'):
-        register_handler(nn.AdaptiveAvgPool2d, 'pooling', second)
-    assert handler_for_type(nn.AdaptiveAvgPool2d)[0].convert is first
-    register_handler(nn.AdaptiveAvgPool2d, 'pooling', second, force=True)
-    assert handler_for_type(nn.AdaptiveAvgPool2d)[0].convert is second
+    register_handler(Pool, 'pooling', first)
+    with pytest.raises(KeyError, match='Pool already has a handler'):
+        register_handler(Pool, 'pooling', second)
+    assert handler_for_type(Pool)[0].convert is first
+    register_handler(Pool, 'pooling', second, force=True)
+    assert handler_for_type(Pool)[0].convert is second
 
     class Wrapped(nn.Linear):
         def forward(self, x):

@@ -13,7 +13,7 @@ from .cnn_activations import (
     MesaSiLU,
     MesaTanh,
 )
-from .conv import MesaConv2d
+from .conv import MesaConv1d, MesaConv2d
 from .conv_transpose import MesaConvTranspose2d
 from .dropout import MesaDropout
 from .group_norm import MesaGroupNorm
@@ -30,5 +30,5 @@ __all__ = [
     'MesaMatMul', 'MesaDropout',
     'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
     'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
-    'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d',
+    'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d', 'MesaConv1d',
 ]

@@ -1,4 +1,4 @@
-"""Conv2d with a ``bits``-bit saved input."""
+"""Conv2d and Conv1d with a ``bits``-bit saved input."""
 from __future__ import annotations
 
 from typing import Any
@@ -94,3 +94,55 @@ class MesaConv2d(MesaModule, nn.Conv2d):
                 self.quant_input, tuple(self._reversed_padding_repeated_twice), self.padding_mode)
         return MesaConv2dFunction.apply(x, self.weight, self.bias, self.stride, self.padding,
                                         self.dilation, self.groups, self.quant_input)
+
+
+class MesaConv1dFunction(torch.autograd.Function):
+    """``F.conv1d`` (numeric padding) keeping a packed input; backward via ``torch.nn.grad``."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                stride: tuple, padding: tuple, dilation: tuple, groups: int,
+                quantizer: ActivationQuantizer) -> torch.Tensor:
+        ctx.conv_args = (stride, padding, dilation, groups)
+        ctx.input_shape = x.shape
+        return weighted_forward(
+            ctx, lambda xc, wc, bc: F.conv1d(xc, wc, bc, stride, padding, dilation, groups),
+            x, weight, bias, quantizer)
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return weighted_backward(
+            ctx, grad,
+            lambda grad, w: torch.nn.grad.conv1d_input(ctx.input_shape, w, grad, *ctx.conv_args),
+            lambda x, grad, shape: torch.nn.grad.conv1d_weight(x, shape, grad, *ctx.conv_args),
+            lambda grad: grad.sum((0, 2)))
+
+
+class MesaConv1d(MesaModule, nn.Conv1d):
+    """``nn.Conv1d`` (PointRend's point head) whose saved input is quantized per channel group
+    (dim 1). Zero numeric padding only; conversion leaves other layers alone."""
+
+    mesa_quantizers = {'quant_input': (1, None)}
+
+    def mesa_setup(self, config: MesaConfig) -> None:
+        reason = conv1d_reason(self)
+        if reason is not None:
+            raise ValueError(f'MesaConv1d: {reason}')
+        super().mesa_setup(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x, self.weight, self.bias) or x.dim() != 3:
+            return super().forward(x)
+        return MesaConv1dFunction.apply(x, self.weight, self.bias, self.stride, self.padding,
+                                        self.dilation, self.groups, self.quant_input)
+
+
+def conv1d_reason(module: nn.Conv1d) -> str | None:
+    """Why a Conv1d is left as it is, or None."""
+    if isinstance(module.padding, str):
+        return f'string padding {module.padding!r} is not supported'
+    if module.padding_mode != 'zeros':
+        return f'padding_mode={module.padding_mode!r} is not supported'
+    return None
