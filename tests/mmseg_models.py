@@ -42,13 +42,16 @@ def build_model(name: str, seed: int = 0, init_weights: bool = True,
 
 
 def batch(size: int, n: int = 2, seed: int = 0, classes: int = 150):
+    """Random images and labels; each sample also has the boundary map PIDNet's loss reads
+    (``gt_edge_map``), which other heads ignore."""
     gen = torch.Generator().manual_seed(seed)
     inputs = torch.randn(n, 3, size, size, generator=gen)
     samples = []
     for _ in range(n):
         sample = SegDataSample()
-        sample.gt_sem_seg = PixelData(data=torch.randint(0, classes, (1, size, size),
-                                                         generator=gen))
+        labels = torch.randint(0, classes, (1, size, size), generator=gen)
+        sample.gt_sem_seg = PixelData(data=labels)
+        sample.gt_edge_map = PixelData(data=(labels % 2).to(torch.uint8))
         sample.set_metainfo(dict(img_shape=(size, size), pad_shape=(size, size),
                                  ori_shape=(size, size)))
         samples.append(sample)

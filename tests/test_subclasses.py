@@ -21,7 +21,7 @@ from torch import nn
 from mmseg_mesa import MesaConfig, MesaModule, convert_to_mesa
 from mmseg_mesa.registry import handled_types, handler_for_type
 
-LIBRARIES = ('torch', 'mmcv', 'mmengine', 'mmseg')
+LIBRARIES = ('torch', 'mmcv', 'mmengine', 'mmseg')  # mmdet's heads: through mmseg's
 PACKAGES = ('torch.nn', 'torch.ao.nn', 'mmcv.cnn', 'mmcv.ops', 'mmengine.model', 'mmseg.models')
 
 
@@ -129,6 +129,33 @@ def decode_head(cls):
         return head
 
 
+class MaskLossOf(LossOf):
+    """Runs one decoder layer's loss of a MaskFormer / Mask2Former head (``_loss_by_feat_single``,
+    what its Mesa class replaces) on random class scores and mask logits."""
+
+    def forward(self, cls_scores, mask_preds):
+        from mmengine.structures import InstanceData
+        gen = torch.Generator().manual_seed(0)
+        size = mask_preds.shape[-2:]
+        gts = [InstanceData(labels=torch.tensor([1, 4, 7]),
+                            masks=(torch.rand(3, *size, generator=gen) > 0.5).long())
+               for _ in range(len(mask_preds))]
+        metas = [dict(img_shape=tuple(size), pad_shape=tuple(size))] * len(mask_preds)
+        return self.head._loss_by_feat_single(cls_scores, mask_preds, gts, metas)
+
+
+def mask_head(cls):
+    """A head of ``cls`` as mmseg's ADE20K config of its family builds it."""
+    from mmseg.utils import register_all_modules
+    from mmseg_models import upstream_config
+    register_all_modules()
+    name = ('mask2former/mask2former_r50_8xb2-160k_ade20k-512x512.py' if 'Mask2' in cls.__name__
+            else 'maskformer/maskformer_r50-d32_8xb2-160k_ade20k-512x512.py')
+    args = dict(upstream_config(name).model.decode_head)
+    args.pop('type')
+    return MaskLossOf(cls(**args))
+
+
 def lazy(cls):
     return cls(6, 3) if 'Conv' in cls.__name__ else cls() if 'Norm' in cls.__name__ else cls(6)
 
@@ -156,6 +183,11 @@ FAMILIES = {
     'PReLU': (lambda c: c(4), lambda: [torch.randn(2, 4, 5, 3)]),
     'BaseDecodeHead': (decode_head, lambda: [torch.randn(2, 3, 4, 4)]),
     'EncoderDecoder': (segmentor, lambda: [torch.randn(2, 3, 32, 32)]),
+    'Conv1d': (lambda c: c(4, 6, 3, padding=1), lambda: [torch.randn(2, 4, 9)]),
+    'AdaptiveAvgPool2d': (lambda c: c((3, 2)), lambda: [torch.randn(2, 4, 9, 7)]),
+    # mmseg's Mask2Former / MaskFormer heads (their handled bases are mmdet's)
+    'MaskFormerHead': (mask_head, lambda: [torch.randn(2, 100, 151),
+                                           torch.randn(2, 100, 16, 16)]),
 }
 ACTIVATIONS = ('GELU', 'ReLU', 'ReLU6', 'Hardtanh', 'LeakyReLU', 'SiLU', 'Hardswish',
                'Hardsigmoid', 'Sigmoid', 'Tanh', 'ELU')

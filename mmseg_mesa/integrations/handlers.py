@@ -19,6 +19,7 @@ def register_openmmlab_handlers() -> None:
     from mmseg.models.segmentors.encoder_decoder import EncoderDecoder
 
     from .attention import MesaWindowMSA
+    from .mask_heads import mask_head_classes
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .modules import MesaDecodeHead, MesaDropPath
     from .segmentor import MesaEncoderDecoder
@@ -38,6 +39,10 @@ def register_openmmlab_handlers() -> None:
                      f'drop_prob={m.drop_prob} saves no mask')
     register_functional_handlers()
     register_handler(KernelUpdator, 'product', convert_kernel_updator, replaces=())
+    # mmdet's mask-classification heads (Mask2Former, MaskFormer): each layer's own
+    # _loss_by_feat_single (Mask2Former overrides MaskFormer's), so one handler each.
+    for head, mesa_head in mask_head_classes().items():
+        register_handler(head, 'loss', swap_to(mesa_head), replaces=('_loss_by_feat_single',))
     # Heads override forward but not loss_by_feat, the one method the Mesa head replaces; a
     # head with its own loss_by_feat (PointHead, DAHead, ...) is left by that rule.
     register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead),
@@ -90,12 +95,23 @@ def functional_types() -> dict[type, str]:
     from mmseg.models.utils.self_attention_block import SelfAttentionBlock
 
     # KernelUpdateHead: the mask softmax, the mask-weighted sum (einsum) and the convolution
-    # with its dynamic kernels
+    # with its dynamic kernels. Deformable attention (Mask2Former's pixel decoder): its weights'
+    # softmax, the sampled feature maps (grid_sample) and their weighted sum, on the pure-PyTorch
+    # path mmcv takes off CUDA.
     attention = (SelfAttentionBlock, SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock,
-                 KernelUpdateHead)
+                 KernelUpdateHead, *deformable_attention_types())
     # layer scale (x * gamma) and gated convolutions (attn * u)
     products = (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock)
     return {**{t: 'attention' for t in attention}, **{t: 'product' for t in products}}
+
+
+def deformable_attention_types() -> tuple[type, ...]:
+    """mmcv's ``MultiScaleDeformableAttention``, where mmcv was built with its ops."""
+    try:
+        from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttention
+    except ImportError:  # mmcv-lite: no ops, no deformable attention to convert
+        return ()
+    return (MultiScaleDeformableAttention,)
 
 
 def register_functional_handlers() -> None:

@@ -37,6 +37,7 @@ from .base import (
 )
 from .conv import MesaConv2dFunction
 from .einsum import MesaEinsumFunction, gradient_equations
+from .grid_sample import MesaGridSampleFunction
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
 from .softmax import MesaSoftmaxFunction
@@ -52,6 +53,7 @@ _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__r
 _LINEARS = {F.linear}
 _EINSUMS = {torch.einsum}
 _CONVS = {F.conv2d, torch.conv2d}
+_GRID_SAMPLES = {F.grid_sample}
 
 
 class MesaMulFunction(torch.autograd.Function):
@@ -171,6 +173,8 @@ class _Capture(TorchFunctionMode):
             return self._einsum(args, kwargs)
         elif func in _CONVS:
             return self._conv2d(*args, **kwargs)
+        elif func in _GRID_SAMPLES:
+            return self._grid_sample(*args, **kwargs)
         return None
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -204,6 +208,20 @@ class _Capture(TorchFunctionMode):
             return None
         return MesaConv2dFunction.apply(input, weight, bias, _pair(stride), _pair(padding),
                                         _pair(dilation), groups, *site)
+
+    def _grid_sample(self, input: torch.Tensor, grid: torch.Tensor, mode: str = 'bilinear',
+                     padding_mode: str = 'zeros', align_corners: bool | None = None
+                     ) -> torch.Tensor | None:
+        """Sampling a feature map at positions of the module's making (deformable attention,
+        PointRend's points): the map is packed per channel, the grid kept."""
+        if not (_is_activation(input) and input.dim() == 4 and grid.dim() == 4
+                and (input.requires_grad or grid.requires_grad)):
+            return None
+        site = self._site('attention', {'input': (1, None)})
+        if site is None:
+            return None
+        return MesaGridSampleFunction.apply(input, grid, mode, padding_mode, align_corners,
+                                            *site)
 
     def _product(self, a: Any, b: Any) -> torch.Tensor | None:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \

@@ -8,14 +8,15 @@ the unfused path (same ops in the same order) with no quantization involved.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from .base import returns_owned
 
-LossFn = Callable[[torch.Tensor], dict[str, torch.Tensor]]
+LossFn = Callable[..., dict[str, torch.Tensor]]
 
 
 def is_differentiable(name: str) -> bool:
@@ -24,41 +25,68 @@ def is_differentiable(name: str) -> bool:
 
 
 class RecomputedLoss(torch.autograd.Function):
-    """``loss_fn(logits)`` (a dict of tensors, mmseg's convention) saving only ``logits``."""
+    """``loss_fn(*inputs)`` (a dict of tensors, mmseg's convention) saving only ``inputs``.
+
+    Backward runs ``loss_fn`` again from the random state the forward started from, so a loss
+    that samples (Mask2Former's points, OHEM) draws the same numbers, and the model's own random
+    stream is left where the forward left it.
+    """
 
     @staticmethod
     @returns_owned
     def forward(ctx: Any, loss_fn: LossFn, names_out: list[str],
-                logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        device_type = logits.device.type
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type),
-                        torch.get_autocast_dtype(device_type))
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        device = inputs[0].device
+        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
+                        torch.get_autocast_dtype(device.type))
+        ctx.rng = random_state(device)
         ctx.loss_fn = loss_fn
         with torch.no_grad():
-            result = loss_fn(logits)
+            result = loss_fn(*inputs)
         ctx.names = list(result)
         names_out[:] = ctx.names
         ctx.mark_non_differentiable(*[v for k, v in result.items() if not is_differentiable(k)])
-        ctx.save_for_backward(logits)
+        ctx.save_for_backward(*inputs)
         return tuple(result.values())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        (logits,) = ctx.saved_tensors
+        inputs = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[2:]
         device_type, enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-            leaf = logits.detach().requires_grad_()
-            result = ctx.loss_fn(leaf)
+        with torch.enable_grad(), replayed_random_state(*ctx.rng), \
+                torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, wanted)]
+            result = ctx.loss_fn(*leaves)
         pairs = [(result[name], g) for name, g in zip(ctx.names, grads)
                  if is_differentiable(name) and g is not None and result[name].requires_grad]
-        if not pairs:
-            return None, None, None
-        (grad,) = torch.autograd.grad([o for o, _ in pairs], leaf, [g for _, g in pairs])
-        return None, None, grad
+        targets = [leaf for leaf in leaves if leaf.requires_grad]
+        if not pairs or not targets:
+            return (None, None, *[None] * len(inputs))
+        found = iter(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                         allow_unused=True))
+        return (None, None, *[next(found) if leaf.requires_grad else None for leaf in leaves])
 
 
-def recomputed_losses(loss_fn: LossFn, logits: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``loss_fn(logits)`` with only ``logits`` saved for backward."""
+def random_state(device: torch.device) -> tuple[torch.Tensor, torch.device, torch.Tensor | None]:
+    """torch's CPU random state, and the CUDA one of ``device`` where it is a GPU."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == 'cuda' else None
+    return torch.get_rng_state(), device, cuda
+
+
+@contextlib.contextmanager
+def replayed_random_state(cpu: torch.Tensor, device: torch.device,
+                          cuda: torch.Tensor | None) -> Iterator[None]:
+    """Run the block from a recorded random state; the streams are as they were after it."""
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
+
+
+def recomputed_losses(loss_fn: LossFn, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``loss_fn(*inputs)`` with only ``inputs`` saved for backward."""
     names: list[str] = []
-    outputs = RecomputedLoss.apply(loss_fn, names, logits)
+    outputs = RecomputedLoss.apply(loss_fn, names, *inputs)
     return dict(zip(names, outputs))
