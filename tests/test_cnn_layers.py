@@ -406,3 +406,40 @@ def test_conv_weight_gradient_decodes_a_large_input_by_samples(monkeypatch, bits
     # chunk's own weight-gradient temporaries hold: 0.49 of the input measured with the compiled
     # decode, 0.74 with the torch one (whose whole-input pass had temporaries of its own).
     assert whole_peak - chunked_peak >= 0.4 * size, (whole_peak - chunked_peak) / size
+
+
+@pytest.mark.parametrize('affine, trainable', [(True, False), (False, False), (True, True)])
+def test_batch_norm_in_eval_mode_keeps_no_input_for_the_input_gradient(affine, trainable):
+    """mmdet's ResNets: ``norm_eval``, the affine frozen or not. The forward is torch's, the
+    input and bias gradients torch's (the same products); a frozen affine keeps one float per
+    channel where torch keeps the whole input, a trainable weight the packed normalized input."""
+    from mmseg_mesa import MesaBatchNorm
+    ref = nn.BatchNorm2d(6, affine=affine)
+    with torch.no_grad():
+        ref.running_mean.uniform_(-1, 1)
+        ref.running_var.uniform_(0.5, 2.0)
+        if affine:
+            ref.weight.uniform_(0.5, 1.5)
+            ref.bias.uniform_(-0.5, 0.5)
+    ref.requires_grad_(trainable)
+    ours = MesaBatchNorm.convert(copy.deepcopy(ref), MesaConfig())
+    ref.eval()
+    ours.eval()
+    x = torch.randn(4, 6, 9, 7, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with count_saved_tensors(ref) as base:
+        y = ref(x)
+    with count_saved_tensors(ours) as mesa:
+        y2 = ours(x2)
+    assert torch.equal(y, y2)
+    grad = torch.randn(y.shape)
+    y.backward(grad)
+    y2.backward(grad)
+    assert torch.allclose(x.grad, x2.grad, rtol=1e-6, atol=0)
+    assert base.total_bytes >= x.numel() * 4
+    if trainable:
+        assert torch.allclose(ref.bias.grad, ours.bias.grad, rtol=1e-5, atol=1e-6)
+        assert cosine(ref.weight.grad, ours.weight.grad) >= 0.999
+        assert mesa.total_bytes <= 0.3 * base.total_bytes
+    else:
+        assert mesa.total_bytes <= 6 * 4

@@ -185,3 +185,50 @@ def test_heads_with_their_own_loss_are_left_with_a_reason():
     report = convert_to_mesa(head, config=MesaConfig(layers={'loss', 'conv2d'}))
     kind, reason = report.left['']
     assert kind == 'STDCHead' and 'STDCHead' in reason and 'loss_by_feat' in reason
+
+
+class SampledLoss(torch.nn.Module):
+    """A loss of two inputs that samples (as Mask2Former's point losses do) and runs a child
+    module on a view of an input."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.SmoothL1Loss()
+
+    def forward(self, scores, masks):
+        points = torch.randint(0, masks.shape[-1], (7,))
+        picked = masks.flatten(1)[:, points]
+        return dict(loss_a=self.inner(scores.flatten(0, 1), torch.zeros_like(scores).flatten(0, 1)),
+                    loss_b=(picked.sigmoid() * scores[:, :1]).sum(), acc=picked.mean())
+
+
+def test_recomputed_loss_of_several_inputs_replays_the_random_state():
+    from mmseg_mesa.layers.recompute import recomputed_losses
+    from mmseg_mesa.memory import track_step_peak
+    loss = SampledLoss()
+    gen = torch.Generator().manual_seed(3)
+    scores, masks = torch.randn(4, 5, generator=gen), torch.randn(4, 6, 6, generator=gen)
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        a, b = scores.clone().requires_grad_(), masks.clone().requires_grad_()
+        result = recomputed_losses(loss, a, b) if recompute else loss(a, b)
+        after_forward = torch.rand(1)
+        (result['loss_a'] + result['loss_b']).backward()
+        assert not (recompute and result['acc'].requires_grad)  # a metric, not a loss
+        grads.append((a.grad, b.grad, after_forward, {k: v.detach() for k, v in result.items()}))
+    (ga, gb, r0, v0), (ha, hb, r1, v1) = grads
+    assert torch.equal(ga, ha) and torch.equal(gb, hb)  # the same points in backward
+    assert torch.equal(r0, r1)  # the model's stream goes on as without recomputation
+    assert all(torch.equal(v0[k], v1[k]) for k in v0)
+    # MemTracker's module hooks see no tensor that claims a gradient without a grad_fn
+    model = torch.nn.Sequential(torch.nn.Linear(5, 5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = scores.clone()
+
+    def step_loss():
+        out = model(x)
+        result = recomputed_losses(loss, out, masks.clone().requires_grad_())
+        return result['loss_a'] + result['loss_b']
+
+    assert track_step_peak(model, optimizer, step_loss, x).peak_bytes > 0

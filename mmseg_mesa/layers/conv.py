@@ -31,6 +31,17 @@ def conv_bias_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.sum((0, 2, 3))
 
 
+def conv_forward(ctx: Any, conv: Any, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None, conv_args: tuple, quantizer: ActivationQuantizer
+                 ) -> torch.Tensor:
+    """``conv(x, weight, bias, *conv_args)`` as ``weighted_forward`` runs it, recording the
+    arguments (stride, padding, dilation, groups) and input shape its backward reads."""
+    ctx.conv_args = conv_args
+    ctx.input_shape = x.shape
+    return weighted_forward(ctx, lambda xc, wc, bc: conv(xc, wc, bc, *conv_args), x, weight,
+                            bias, quantizer)
+
+
 class MesaConv2dFunction(torch.autograd.Function):
     """``F.conv2d`` (numeric padding) keeping a packed input; backward via ``torch.nn.grad``."""
 
@@ -40,16 +51,13 @@ class MesaConv2dFunction(torch.autograd.Function):
                 stride: tuple, padding: tuple, dilation: tuple, groups: int,
                 quantizer: ActivationQuantizer, explicit_pad: tuple | None = None,
                 pad_mode: str = 'zeros') -> torch.Tensor:
-        ctx.conv_args = (stride, padding, dilation, groups)
         ctx.explicit_pad = (explicit_pad, pad_mode, x.shape) if explicit_pad else None
         if explicit_pad:
             # Reflect/replicate/circular padding: torch's pad would save the unpadded input in
             # full precision, so we pad here and undo it in backward.
             x = F.pad(x, explicit_pad, mode=pad_mode)
-        ctx.input_shape = x.shape
-        return weighted_forward(
-            ctx, lambda xc, wc, bc: F.conv2d(xc, wc, bc, stride, padding, dilation, groups),
-            x, weight, bias, quantizer)
+        return conv_forward(ctx, F.conv2d, x, weight, bias, (stride, padding, dilation, groups),
+                            quantizer)
 
     @staticmethod
     @no_autocast_backward
@@ -104,11 +112,8 @@ class MesaConv1dFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: tuple, padding: tuple, dilation: tuple, groups: int,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
-        ctx.conv_args = (stride, padding, dilation, groups)
-        ctx.input_shape = x.shape
-        return weighted_forward(
-            ctx, lambda xc, wc, bc: F.conv1d(xc, wc, bc, stride, padding, dilation, groups),
-            x, weight, bias, quantizer)
+        return conv_forward(ctx, F.conv1d, x, weight, bias, (stride, padding, dilation, groups),
+                            quantizer)
 
     @staticmethod
     @no_autocast_backward

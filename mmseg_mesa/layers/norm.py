@@ -341,11 +341,74 @@ def batch_norm_momentum(bn: _BatchNorm) -> float:
     return factor
 
 
+def channel_shape(x: torch.Tensor) -> list[int]:
+    """Shape that broadcasts a per-channel vector over ``x`` (channels in dim 1)."""
+    return [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+class EvalBatchNormFunction(torch.autograd.Function):
+    """Eval-mode ``F.batch_norm`` (running statistics: ``norm_eval``, as mmdet's ResNets keep
+    it), a per-channel affine map of its input.
+
+    torch keeps the whole input for its backward. The input and bias gradients read nothing of
+    it (the input's is ``grad * weight / std``, the product torch's eval backward forms); only a
+    trainable weight's gradient reads the normalized input, which is then kept packed. A frozen
+    affine keeps one scale per channel.
+    """
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, running_mean: torch.Tensor,
+                running_var: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float, quantizer: ActivationQuantizer
+                ) -> torch.Tensor:
+        record_input(ctx, x)
+        y = F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, eps)
+        with torch.no_grad():
+            invstd = 1.0 / torch.sqrt(running_var.float() + eps)
+            scale = invstd if weight is None else weight.float() * invstd
+            packed = pack_channel_normalized(x, running_mean.float(), invstd, quantizer) \
+                if ctx.needs_input_grad[3] else None
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        save(ctx, packed, scale)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        packed, scale = load(ctx)
+        g = cast(grad, torch.float32)
+        dims = [0] + list(range(2, g.dim()))
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = cast(g * scale.view(channel_shape(g)), ctx.input_dtype)
+        if ctx.needs_input_grad[3]:
+            grad_w = cast(channel_dot(g, unpack(packed, torch.float32), dims).flatten(),
+                          ctx.weight_dtype)
+        if ctx.needs_input_grad[4]:
+            grad_b = cast(g.sum(dims), ctx.weight_dtype)
+        return grad_x, None, None, grad_w, grad_b, None, None
+
+
+def eval_batch_norm(module: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """``module(x)`` through ``EvalBatchNormFunction`` where the module normalizes with its
+    running statistics (eval mode) in a training step; else None (the caller's own path)."""
+    if module.training or not module.track_running_stats or module.running_mean is None \
+            or not module.mesa_config.enabled or not torch.is_grad_enabled() \
+            or not (x.requires_grad or any(p is not None and p.requires_grad
+                                           for p in (module.weight, module.bias))):
+        return None
+    module._check_input_dim(x)
+    return EvalBatchNormFunction.apply(x, module.running_mean, module.running_var, module.weight,
+                                       module.bias, module.eps, module.quant_input)
+
+
 class MesaBatchNorm(MesaModule, _BatchNorm):
     """Any single-process BatchNorm (1d/2d/3d, mmengine's ``_BatchNormXd``), input saved in
     ``bits`` bits.
 
-    Running statistics are updated exactly as torch does; eval mode runs the torch path. The
+    Running statistics are updated exactly as torch does. In eval mode (``norm_eval``) inside a
+    training step it keeps no input for the input gradient (``EvalBatchNormFunction``). The
     normalized input is quantized with one group per channel (the statistics are per channel
     anyway, and 2 floats per channel cost nothing next to the activation).
     """
@@ -353,6 +416,9 @@ class MesaBatchNorm(MesaModule, _BatchNorm):
     mesa_quantizers = {'quant_input': (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        evaluated = eval_batch_norm(self, x)
+        if evaluated is not None:
+            return evaluated
         if not self.mesa_active(x, self.weight, self.bias):
             return super().forward(x)
         self._check_input_dim(x)

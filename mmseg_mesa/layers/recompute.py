@@ -42,7 +42,9 @@ class RecomputedLoss(torch.autograd.Function):
         ctx.rng = random_state(device)
         ctx.loss_fn = loss_fn
         with torch.no_grad():
-            result = loss_fn(*inputs)
+            # detached: a view of an input would claim requires_grad with no grad_fn, which
+            # module hooks that follow gradients (MemTracker's) refuse
+            result = loss_fn(*[t.detach() for t in inputs])
         ctx.names = list(result)
         names_out[:] = ctx.names
         ctx.mark_non_differentiable(*[v for k, v in result.items() if not is_differentiable(k)])

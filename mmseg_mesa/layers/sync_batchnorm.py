@@ -43,13 +43,10 @@ from .norm import (
     MesaBatchNormFunction,
     batch_norm_grads,
     batch_norm_momentum,
+    channel_shape,
+    eval_batch_norm,
     standardize_scale,
 )
-
-
-def channel_shape(x: torch.Tensor) -> list[int]:
-    """Shape that broadcasts a per-channel vector over ``x`` (channels in dim 1)."""
-    return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
 def global_moments(x: torch.Tensor, process_group: Any, world_size: int
@@ -187,6 +184,9 @@ class MesaSyncBatchNorm(MesaModule, nn.SyncBatchNorm):
         return dist.get_world_size(self.process_group or dist.group.WORLD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        evaluated = eval_batch_norm(self, x)  # eval mode: no communication
+        if evaluated is not None:
+            return evaluated
         if not self.mesa_active(x, self.weight, self.bias):
             return super().forward(x)
         self._check_input_dim(x)
