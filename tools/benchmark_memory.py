@@ -203,6 +203,8 @@ def make_batch(cfg: Any, batch: int, size: tuple[int, int], device: str) -> tupl
         sample = SegDataSample()
         labels = torch.randint(0, num_classes, (1, *size), generator=gen)
         sample.gt_sem_seg = PixelData(data=labels.to(device))
+        # the boundary map PIDNet's loss reads; other heads ignore it
+        sample.gt_edge_map = PixelData(data=(labels % 2).to(torch.uint8).to(device))
         sample.set_metainfo(dict(img_shape=size, pad_shape=size, ori_shape=size))
         samples.append(sample)
     return inputs, samples
