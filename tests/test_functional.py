@@ -212,3 +212,25 @@ def test_grid_sample_input_gradient_is_exact_where_only_the_input_needs_one():
     with count_saved_tensors(ours) as mesa:
         ours(x.clone().requires_grad_())
     assert mesa.total_bytes <= ref.grid.numel() * 4  # at most the grid: not the input
+
+
+def test_own_adaptive_pooling_keeps_nothing_and_is_exact():
+    """DMNet's filter generator pools its input with F.adaptive_avg_pool2d: only the shape is
+    needed for backward, so the converted module keeps nothing of it."""
+    class Pools(nn.Module):
+        def forward(self, x):
+            return F.adaptive_avg_pool2d(x, 3).sum() + (x * 2).sum()
+
+    ref = Pools()
+    ours = converted(ref)
+    x = torch.randn(2, 4, 11, 9)
+    grads = []
+    for module in (ref, ours):
+        xi = x.clone().requires_grad_()
+        with count_saved_tensors(module) as saved:
+            y = module(xi)
+        y.backward()
+        grads.append((y, xi.grad, saved.total_bytes))
+    (y0, g0, b0), (y1, g1, b1) = grads
+    assert torch.equal(y0, y1) and torch.equal(g0, g1)
+    assert b0 >= x.numel() * 4 and b1 == 0

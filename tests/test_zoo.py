@@ -48,6 +48,11 @@ ZOO = {
     # Cityscapes' 19 classes; its OHEM cross-entropy and boundary losses are left (0.49)
     'pidnet-s': ('pidnet/pidnet-s_2xb6-120k_1024x1024-cityscapes.py', None, 128, None),
     'pointrend-r50': ('point_rend/pointrend_r50_4xb4-160k_ade20k-512x512.py', None, 128, 0.05),
+    # channel gates (x * se(x)) and generated filters; MobileNetV3 at 512: its 49x49 pooling
+    'cgnet': ('cgnet/cgnet_fcn_4xb4-60k_cityscapes-680x680.py', None, 128, 0.03),
+    'dmnet-r50': ('dmnet/dmnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 128, 0.03),
+    'mobilenet-v3-lraspp': (
+        'mobilenet_v3/mobilenet-v3-d8_lraspp_4xb4-320k_cityscapes-512x1024.py', None, 512, 0.03),
 }
 CONVERTED_TYPES: dict[str, set[str]] = {}
 

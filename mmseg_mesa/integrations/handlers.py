@@ -87,21 +87,27 @@ def functional_types() -> dict[type, str]:
     from mmcv.cnn.bricks.context_block import ContextBlock
     from mmcv.cnn.bricks.non_local import NonLocal2d
     from mmseg.models.backbones.beit import BEiTTransformerEncoderLayer
+    from mmseg.models.backbones.cgnet import GlobalContextExtractor
     from mmseg.models.backbones.mscan import MSCAAttention, MSCABlock
     from mmseg.models.decode_heads.apc_head import ACM
     from mmseg.models.decode_heads.da_head import CAM
+    from mmseg.models.decode_heads.dm_head import DCM
     from mmseg.models.decode_heads.knet_head import KernelUpdateHead
     from mmseg.models.decode_heads.ocr_head import SpatialGatherModule
+    from mmseg.models.utils.se_layer import SELayer
     from mmseg.models.utils.self_attention_block import SelfAttentionBlock
 
     # KernelUpdateHead: the mask softmax, the mask-weighted sum (einsum) and the convolution
     # with its dynamic kernels. Deformable attention (Mask2Former's pixel decoder): its weights'
     # softmax, the sampled feature maps (grid_sample) and their weighted sum, on the pure-PyTorch
     # path mmcv takes off CUDA.
+    # DMNet's DCM: convolutions with the filters it generates per image.
     attention = (SelfAttentionBlock, SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock,
-                 KernelUpdateHead, *deformable_attention_types())
-    # layer scale (x * gamma) and gated convolutions (attn * u)
-    products = (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock)
+                 KernelUpdateHead, DCM, *deformable_attention_types())
+    # layer scale (x * gamma), gated convolutions (attn * u) and channel gates (x * se(x):
+    # MobileNetV3's SE blocks, CGNet's context extractor)
+    products = (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock, SELayer,
+                GlobalContextExtractor)
     return {**{t: 'attention' for t in attention}, **{t: 'product' for t in products}}
 
 

@@ -14,6 +14,7 @@ intercepted call), so the running estimates follow one call site across steps.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from .einsum import MesaEinsumFunction, gradient_equations
 from .grid_sample import MesaGridSampleFunction
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
+from .pooling import MesaLinearPoolFunction
 from .softmax import MesaSoftmaxFunction
 
 # An operand of an element-wise product this much smaller than the product (a layer-scale
@@ -54,6 +56,7 @@ _LINEARS = {F.linear}
 _EINSUMS = {torch.einsum}
 _CONVS = {F.conv2d, torch.conv2d}
 _GRID_SAMPLES = {F.grid_sample}
+_ADAPTIVE_POOLS = {F.adaptive_avg_pool2d}
 
 
 class MesaMulFunction(torch.autograd.Function):
@@ -175,6 +178,8 @@ class _Capture(TorchFunctionMode):
             return self._conv2d(*args, **kwargs)
         elif func in _GRID_SAMPLES:
             return self._grid_sample(*args, **kwargs)
+        elif func in _ADAPTIVE_POOLS:
+            return self._adaptive_pool(*args, **kwargs)
         return None
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -222,6 +227,15 @@ class _Capture(TorchFunctionMode):
             return None
         return MesaGridSampleFunction.apply(input, grid, mode, padding_mode, align_corners,
                                             *site)
+
+    def _adaptive_pool(self, input: torch.Tensor, output_size: Any) -> torch.Tensor | None:
+        """An average pooling the module runs itself (DMNet's filter generator): it needs only
+        the input's shape for backward, as ``MesaAdaptiveAvgPool2d``."""
+        if not (_is_activation(input) and input.requires_grad
+                and 'pooling' in self.owner.mesa_config.layers):
+            return None
+        return MesaLinearPoolFunction.apply(
+            input, functools.partial(F.adaptive_avg_pool2d, output_size=output_size))
 
     def _product(self, a: Any, b: Any) -> torch.Tensor | None:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
