@@ -139,3 +139,42 @@ def test_malformed_state_is_refused_before_anything_changes(mutate, message):
         restore_training_state(other, state)
     assert all(q.seen.numel() == 0 for q in quantizers(other).values())
     assert rounding_state() == {}
+
+
+def test_hook_saves_the_state_beside_plain_keys_and_loads_checkpoints_without_it():
+    """MesaHook's checkpoint hooks: the state goes under its own key, the state dict is the
+    model's own; a checkpoint without the key (plain mmseg's) loads, estimates untouched."""
+    pytest.importorskip('mmengine')
+    import logging
+    from types import SimpleNamespace
+
+    from mmseg_mesa.integrations.hook import CHECKPOINT_KEY, MesaHook
+
+    def runner_of(model):
+        return SimpleNamespace(model=model, logger=logging.getLogger('mesa-test'),
+                               cfg=SimpleNamespace(get=lambda key, default=None: None))
+
+    model = make_model()
+    hook = MesaHook(mesa=True)
+    hook.before_run(runner_of(model))
+    model(batch(0)).sum().backward()
+    checkpoint = {'state_dict': model.state_dict()}
+    hook.before_save_checkpoint(runner_of(model), checkpoint)
+    assert set(checkpoint['state_dict']) == set(make_model().state_dict())
+    assert set(checkpoint[CHECKPOINT_KEY]['estimates']) == set(quantizers(model))
+
+    other = make_model()
+    other_hook = MesaHook(mesa=True)
+    other_hook.before_run(runner_of(other))
+    other_hook.after_load_checkpoint(runner_of(other), {'state_dict': other.state_dict()})
+    assert all(q.seen.numel() == 0 for q in quantizers(other).values())
+    other_hook.after_load_checkpoint(runner_of(other), round_trip_checkpoint(checkpoint))
+    for name, q in quantizers(other).items():
+        assert torch.equal(q.lower, quantizers(model)[name].lower)
+
+
+def round_trip_checkpoint(checkpoint):
+    buf = io.BytesIO()
+    torch.save(checkpoint, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
