@@ -42,9 +42,11 @@ ZOO = {
     # its ResNet keeps its batch norms in eval mode (norm_eval)
     'maskformer-r50': ('maskformer/maskformer_r50-d32_8xb2-160k_ade20k-512x512.py', None, 128,
                        0.03),
-    # mmpretrain's ConvNeXt: its LayerNorm2d and layer scale are not compressed yet (0.079)
+    # mmpretrain's ConvNeXt and PoolFormer: LayerNorm2d, layer scale, pooling token mixers
     'convnext-t': ('convnext/convnext-tiny_upernet_8xb2-amp-160k_ade20k-512x512.py', None, 64,
-                   None),
+                   0.03),
+    'poolformer-s12': ('poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py', None, 128,
+                       0.03),
     # Cityscapes' 19 classes; its OHEM cross-entropy and boundary losses are left (0.49)
     'pidnet-s': ('pidnet/pidnet-s_2xb6-120k_1024x1024-cityscapes.py', None, 128, None),
     'pointrend-r50': ('point_rend/pointrend_r50_4xb4-160k_ade20k-512x512.py', None, 128, 0.05),
@@ -98,14 +100,16 @@ def test_every_functional_handler_runs_in_a_zoo_model():
 
 
 def _classes(names: set[str]) -> set[type]:
-    """The module classes named ``names`` among those mmseg / mmcv define."""
+    """The module classes named ``names`` among those mmseg / mmcv / mmpretrain define."""
     import mmcv.cnn  # noqa: F401
+    import mmpretrain.models  # noqa: F401
     import mmseg.models  # noqa: F401
     found, todo = set(), [torch.nn.Module]
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
-        if cls.__name__ in names and cls.__module__.startswith(('mmseg.', 'mmcv.')):
+        if cls.__name__ in names and cls.__module__.startswith(('mmseg.', 'mmcv.',
+                                                                 'mmpretrain.')):
             found.add(cls)
     return found
 
@@ -181,3 +185,30 @@ def test_knet_kernel_update_head_einsum_and_dynamic_conv_are_compressed_exactly(
     assert kinds == ['conv2d_input'] * 2 + ['matmul_b']  # one conv per image, x of the einsum
     assert torch.nn.functional.cosine_similarity(grads[0].flatten(), grads[1].flatten(), 0) \
         >= 0.999
+
+
+@pytest.mark.parametrize('data_format', ['channel_first', 'channel_last'])
+def test_mmpretrain_layer_norm_2d_is_converted_exactly(data_format):
+    """mmpretrain's LayerNorm2d overrides forward (two layouts); its Mesa class keeps both."""
+    from mmpretrain.models.utils.norm import LayerNorm2d
+
+    from mmseg_mesa import MesaModule
+    torch.manual_seed(0)
+    reference = LayerNorm2d(16)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+        reference.bias.uniform_(-0.5, 0.5)
+    model = copy.deepcopy(reference)
+    report = convert_to_mesa(torch.nn.Sequential(model))
+    assert isinstance(model, MesaModule) and report.converted['0'][0] == 'LayerNorm2d'
+    x = torch.randn(2, 16, 7, 9) if data_format == 'channel_first' else torch.randn(2, 7, 9, 16)
+    grads, outs = [], []
+    for module in (reference, model):
+        xi = x.clone().requires_grad_()
+        out = module(xi, data_format=data_format)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
+        outs.append(out)
+        grads.append([xi.grad, module.weight.grad, module.bias.grad])
+    assert torch.equal(*outs)
+    for a, b in zip(*grads):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0) >= 0.999

@@ -21,6 +21,7 @@ def register_openmmlab_handlers() -> None:
     from .attention import MesaWindowMSA
     from .mask_heads import mask_head_classes
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
+    from .mmpretrain_modules import layer_norm_2d_class
     from .modules import MesaDecodeHead, MesaDropPath
     from .segmentor import MesaEncoderDecoder
     from .uper_head import MesaUPerHead
@@ -43,6 +44,8 @@ def register_openmmlab_handlers() -> None:
     # _loss_by_feat_single (Mask2Former overrides MaskFormer's), so one handler each.
     for head, mesa_head in mask_head_classes().items():
         register_handler(head, 'loss', swap_to(mesa_head), replaces=('_loss_by_feat_single',))
+    for norm, mesa_norm in layer_norm_2d_class().items():
+        register_handler(norm, 'layernorm', swap_to(mesa_norm), replaces=('forward',))
     # Heads override forward but not loss_by_feat, the one method the Mesa head replaces; a
     # head with its own loss_by_feat (PointHead, DAHead, ...) is left by that rule.
     register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead),
@@ -97,6 +100,8 @@ def functional_types() -> dict[type, str]:
     from mmseg.models.utils.se_layer import SELayer
     from mmseg.models.utils.self_attention_block import SelfAttentionBlock
 
+    from .mmpretrain_modules import layer_scale_block_types
+
     # KernelUpdateHead: the mask softmax, the mask-weighted sum (einsum) and the convolution
     # with its dynamic kernels. Deformable attention (Mask2Former's pixel decoder): its weights'
     # softmax, the sampled feature maps (grid_sample) and their weighted sum, on the pure-PyTorch
@@ -107,7 +112,7 @@ def functional_types() -> dict[type, str]:
     # layer scale (x * gamma), gated convolutions (attn * u) and channel gates (x * se(x):
     # MobileNetV3's SE blocks, CGNet's context extractor)
     products = (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock, SELayer,
-                GlobalContextExtractor)
+                GlobalContextExtractor, *layer_scale_block_types())
     return {**{t: 'attention' for t in attention}, **{t: 'product' for t in products}}
 
 
