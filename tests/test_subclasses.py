@@ -129,6 +129,18 @@ def decode_head(cls):
         return head
 
 
+class TupleLossOf(LossOf):
+    """Runs the ``loss_by_feat`` of a head whose forward returns several logits (DANet's)."""
+
+    def forward(self, *logits):
+        losses = self.head.loss_by_feat(logits, seg_samples())
+        return tuple(losses[k] for k in sorted(losses))
+
+
+def da_head(cls):
+    return TupleLossOf(decode_head(cls))
+
+
 class MaskLossOf(LossOf):
     """Runs one decoder layer's loss of a MaskFormer / Mask2Former head (``_loss_by_feat_single``,
     what its Mesa class replaces) on random class scores and mask logits."""
@@ -183,6 +195,7 @@ FAMILIES = {
     'PReLU': (lambda c: c(4), lambda: [torch.randn(2, 4, 5, 3)]),
     'BaseDecodeHead': (decode_head, lambda: [torch.randn(2, 3, 4, 4)]),
     'EncoderDecoder': (segmentor, lambda: [torch.randn(2, 3, 32, 32)]),
+    'DAHead': (da_head, lambda: [torch.randn(2, 3, 4, 4) for _ in range(3)]),
     'Conv1d': (lambda c: c(4, 6, 3, padding=1), lambda: [torch.randn(2, 4, 9)]),
     'AdaptiveAvgPool2d': (lambda c: c((3, 2)), lambda: [torch.randn(2, 4, 9, 7)]),
     # mmseg's Mask2Former / MaskFormer heads (their handled bases are mmdet's)

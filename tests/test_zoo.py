@@ -32,7 +32,7 @@ ZOO = {
     'twins-svt-s': ('twins/twins_svt-s_uperhead_8xb2-160k_ade20k-512x512.py', None, 64, 0.03),
     'ocrnet-hr18s': ('ocrnet/ocrnet_hr18s_4xb4-80k_ade20k-512x512.py', None, 64, 0.03),
     'segnext-t': ('segnext/segnext_mscan-t_1xb16-adamw-160k_ade20k-512x512.py', None, 64, None),
-    'danet': ('danet/danet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),
+    'danet': ('danet/danet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, 0.03),
     'apcnet': ('apcnet/apcnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),
     'gcnet': ('gcnet/gcnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),
     'nonlocal': ('nonlocal_net/nonlocal_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, None),

@@ -13,6 +13,7 @@ def register_openmmlab_handlers() -> None:
     from mmcv.cnn.bricks.conv_ws import ConvWS2d
     from mmcv.cnn.bricks.drop import DropPath
     from mmseg.models.backbones.swin import WindowMSA
+    from mmseg.models.decode_heads.da_head import DAHead
     from mmseg.models.decode_heads.decode_head import BaseDecodeHead
     from mmseg.models.decode_heads.knet_head import KernelUpdator
     from mmseg.models.decode_heads.uper_head import UPerHead
@@ -22,7 +23,7 @@ def register_openmmlab_handlers() -> None:
     from .mask_heads import mask_head_classes
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .mmpretrain_modules import layer_norm_2d_class
-    from .modules import MesaDecodeHead, MesaDropPath
+    from .modules import MesaDAHead, MesaDecodeHead, MesaDropPath
     from .segmentor import MesaEncoderDecoder
     from .uper_head import MesaUPerHead
 
@@ -50,6 +51,7 @@ def register_openmmlab_handlers() -> None:
     # head with its own loss_by_feat (PointHead, DAHead, ...) is left by that rule.
     register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead),
                      replaces=('loss_by_feat',))
+    register_handler(DAHead, 'loss', swap_to(MesaDAHead), replaces=('loss_by_feat',))
     # UPerHead also fuses its FPN outputs without holding them twice; a subclass with its own
     # _forward_feature falls back to the BaseDecodeHead handler above.
     register_handler(UPerHead, 'loss', swap_to(MesaUPerHead),

@@ -9,14 +9,17 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from mmcv.cnn.bricks.drop import DropPath
 from mmengine.logging import print_log
+from mmseg.models.decode_heads.da_head import DAHead
 from mmseg.models.decode_heads.decode_head import BaseDecodeHead
 from mmseg.models.losses import CrossEntropyLoss
 from mmseg.models.losses.cross_entropy_loss import cross_entropy
 from mmseg.models.losses.utils import weight_reduce_loss
+from mmseg.utils import add_prefix
 from torch import nn
 
 from ..config import MesaConfig
@@ -98,11 +101,11 @@ class MesaDecodeHead(MesaModule, BaseDecodeHead):
 
     def loss_by_feat(self, seg_logits: torch.Tensor, batch_data_samples: list) -> dict:
         if not self.mesa_active(seg_logits):
-            return super().loss_by_feat(seg_logits, batch_data_samples)
+            return BaseDecodeHead.loss_by_feat(self, seg_logits, batch_data_samples)
         if self.mesa_loss_blocker is None and seg_logits.dim() == 4 and len(seg_logits):
             return self.banded_loss_by_feat(seg_logits, batch_data_samples)
         return recomputed_losses(
-            lambda logits: super(MesaDecodeHead, self).loss_by_feat(logits, batch_data_samples),
+            lambda logits: BaseDecodeHead.loss_by_feat(self, logits, batch_data_samples),
             seg_logits)
 
     def banded_loss_by_feat(self, seg_logits: torch.Tensor, batch_data_samples: list) -> dict:
@@ -127,3 +130,16 @@ class MesaDecodeHead(MesaModule, BaseDecodeHead):
                 result[loss.loss_name] = value
         result['acc_seg'] = top1_accuracy(correct, label, self.ignore_index)
         return result
+
+
+class MesaDAHead(MesaDecodeHead, DAHead):
+    """DANet's head: its three losses (on the PAM + CAM, PAM and CAM logits), each as
+    ``MesaDecodeHead`` computes a head's loss. ``DAHead.loss_by_feat`` calls the base's loss
+    three times with these prefixes; this does the same through Mesa's loss."""
+
+    def loss_by_feat(self, seg_logit: tuple, batch_data_samples: list, **kwargs: Any) -> dict:
+        losses: dict = {}
+        for prefix, logits in zip(('pam_cam', 'pam', 'cam'), seg_logit):
+            losses.update(add_prefix(
+                MesaDecodeHead.loss_by_feat(self, logits, batch_data_samples), prefix))
+        return losses
