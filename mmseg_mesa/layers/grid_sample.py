@@ -29,9 +29,9 @@ class MesaGridSampleFunction(torch.autograd.Function):
         record_input(ctx, x)
         ctx.options = (mode, padding_mode, align_corners)
         ctx.grid_dtype = grid.dtype
+        ctx.input_shape = x.shape
         y = F.grid_sample(x, grid, mode, padding_mode, align_corners)
         # the input's gradient reads only the grid; the grid's reads the input's values
-        ctx.input_meta = (x.shape, x.dtype)
         save(ctx, quantizer.pack(x) if ctx.needs_input_grad[1] else None, grid)
         return y
 
@@ -40,11 +40,10 @@ class MesaGridSampleFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, grid = load(ctx)
         need_x, need_grid = ctx.needs_input_grad[:2]
-        shape, _ = ctx.input_meta
         # torch's backward kernel on the decoded input: recomputing the op under autograd gives
         # exactly its gradients (public ops only), in fp32 as autocast runs grid_sample
         x = unpack(packed, torch.float32) if packed is not None else torch.zeros(
-            shape, dtype=torch.float32, device=grad.device)
+            ctx.input_shape, dtype=torch.float32, device=grad.device)
         with torch.enable_grad():
             x = x.detach().requires_grad_(need_x)
             g = cast(grid.detach(), torch.float32).requires_grad_(need_grid)

@@ -19,7 +19,7 @@ from torch import nn
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
 from .base import MesaModule, no_autocast_backward, record_input, returns_owned
-from .norm import normalized, normalized_input_grad
+from .norm import channel_shape, normalized, normalized_input_grad
 
 
 def grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -48,7 +48,6 @@ class MesaGroupNormFunction(torch.autograd.Function):
         packed, rstd, weight, bias = load(ctx)
         x_norm = unpack(packed, torch.float32)
         g = grad.float()
-        channel_shape = [1, g.shape[1]] + [1] * (g.dim() - 2)
         reduce_dims = [0] + list(range(2, g.dim()))
         grad_x = grad_w = grad_b = None
         if weight is not None and ctx.needs_input_grad[2]:
@@ -56,7 +55,7 @@ class MesaGroupNormFunction(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[3]:
             grad_b = g.sum(reduce_dims).to(bias.dtype)
         if ctx.needs_input_grad[0]:
-            g_norm = g * weight.float().view(channel_shape) if weight is not None else g
+            g_norm = g * weight.float().view(channel_shape(g)) if weight is not None else g
             grad_x = normalized_input_grad(grouped(g_norm, ctx.num_groups),
                                            grouped(x_norm, ctx.num_groups), rstd, 2)
             grad_x = grad_x.view(g.shape).to(ctx.input_dtype)
