@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -31,7 +32,8 @@ class SavedTensorReport:
     ``by_type`` counts by that module's type, ``by_module`` by its qualified name (``''`` is the
     model itself, ``'<functional>'`` means no module was running), and ``storages`` maps each
     counted storage (``storage_key``) to that name and its bytes, so a caller can tell who saved
-    what (``tools/coverage.py`` splits it into Mesa's saves and the rest). ``softmax_bytes``
+    what (``tools/coverage.py`` splits it into Mesa's saves and the rest); where a storage was
+    freed and its address reused by a later one, the later one's entry replaces it. ``softmax_bytes``
     is the part that softmax outputs take (attention maps, in transformers): torch's softmax
     keeps its output, Mesa's softmax its codes.
     """
@@ -60,7 +62,10 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
             replaced). Defaults to None.
     """
     report = SavedTensorReport()
-    seen: set[tuple[str, int]] = set()
+    # Counted storages by address, each with a weak reference: a storage freed inside the block
+    # (a graph dropped in forward, a recomputation in a layer's backward) can leave its address to
+    # a later one, which must count too. Storages keep their Python object while they live.
+    seen: dict[tuple[str, int], weakref.ref] = {}
     excluded: set[tuple[str, int]] = set()
     stack: list[tuple[str, str]] = []  # (qualified name, type) of the running modules
     handles = []
@@ -80,9 +85,11 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.numel():
             key = storage_key(t)
-            if key not in seen and key not in excluded:
-                seen.add(key)
-                nbytes = t.untyped_storage().nbytes()
+            counted = seen.get(key)
+            if (counted is None or counted() is None) and key not in excluded:
+                storage = t.untyped_storage()
+                seen[key] = weakref.ref(storage)
+                nbytes = storage.nbytes()
                 qualified, name = stack[-1] if stack else ('<functional>', '<functional>')
                 report.total_bytes += nbytes
                 if saved_label(t) == SOFTMAX_OUTPUT or \

@@ -43,6 +43,20 @@ def test_functional_saves_and_no_model():
     assert report.by_type == {'<functional>': 10 * 4}
 
 
+def test_a_freed_storage_does_not_hide_the_next_one_at_its_address():
+    """Storages freed inside the block (a dropped graph, a recomputation in backward) give their
+    address back to the allocator; each later storage saved there still counts."""
+    leaf = torch.randn(1 << 18, requires_grad=True)
+    addresses = set()
+    with count_saved_tensors() as report:
+        for _ in range(6):
+            factor = torch.full_like(leaf, 2.0, requires_grad=False)
+            addresses.add(factor.data_ptr())
+            product = leaf * factor  # saves ``factor``; freed with ``product``'s graph
+            del product, factor
+    assert report.total_bytes == 6 * leaf.numel() * 4, (report.total_bytes, len(addresses))
+
+
 def test_hooks_do_not_change_outputs():
     model = nn.Sequential(MesaLinear(4, 4), nn.ReLU())
     x = torch.randn(2, 4)
