@@ -178,13 +178,60 @@ def test_autocast_and_eval():
                            head.loss_by_feat(logits, data)['loss_ce'])
 
 
-def test_heads_with_their_own_loss_are_left_with_a_reason():
-    from mmseg.models.decode_heads import STDCHead
-    head = STDCHead(in_channels=8, channels=8, num_convs=1, num_classes=2, dropout_ratio=0.0,
-                    boundary_threshold=0.1)
+def test_heads_with_a_loss_mesa_does_not_know_are_left_with_a_reason():
+    class OwnLossHead(FCNHead):
+        def loss_by_feat(self, seg_logits, batch_data_samples):
+            return dict(loss_own=seg_logits.square().mean())
+
+    head = OwnLossHead(in_channels=8, channels=8, num_convs=1, num_classes=2, dropout_ratio=0.0)
     report = convert_to_mesa(head, config=MesaConfig(layers={'loss', 'conv2d'}))
     kind, reason = report.left['']
-    assert kind == 'STDCHead' and 'STDCHead' in reason and 'loss_by_feat' in reason
+    assert kind == 'OwnLossHead' and 'OwnLossHead' in reason and 'loss_by_feat' in reason
+
+
+def own_loss_heads():
+    """STDC's detail head (sigmoid cross-entropy and Dice on Laplacian boundary targets, one
+    logit map) and DDRNet's head (OHEM cross-entropy on two logit maps)."""
+    from mmseg.registry import MODELS
+    ohem = dict(type='OhemCrossEntropy', thres=0.9, min_kept=500)
+    return {
+        'stdc': (MODELS.build(dict(
+            type='STDCHead', in_channels=8, channels=8, num_convs=1, num_classes=2,
+            boundary_threshold=0.1, concat_input=False, align_corners=True, loss_decode=[
+                dict(type='CrossEntropyLoss', loss_name='loss_ce', use_sigmoid=True),
+                dict(type='DiceLoss', loss_name='loss_dice')])), 1),
+        'ddrnet': (MODELS.build(dict(
+            type='DDRHead', in_channels=8, channels=8, num_classes=5, dropout_ratio=0.0,
+            loss_decode=[ohem, dict(ohem, loss_weight=0.4)])), 5),
+    }
+
+
+@pytest.mark.parametrize('name', ['stdc', 'ddrnet'])
+def test_heads_with_their_own_loss_keep_only_their_logits(name):
+    """Their loss runs whole through RecomputedLoss: values and gradients bit-identical, and
+    only the logits saved (the unconverted head keeps full-resolution maps)."""
+    head, channels = own_loss_heads()[name]
+    ours = copy.deepcopy(head)
+    report = convert_to_mesa(ours, config=MesaConfig(layers={'loss'}))
+    assert report.converted[''][0] == type(head).__name__
+    data = samples(size=64, classes=min(channels, 5) if channels > 1 else 2)
+    gen = torch.Generator().manual_seed(1)
+    maps = [torch.randn(2, channels, 16, 16, generator=gen) for _ in range(2 if name == 'ddrnet'
+                                                                           else 1)]
+    results = []
+    for model in (head, ours):
+        leaves = [m.clone().requires_grad_() for m in maps]
+        logits = tuple(leaves) if len(leaves) > 1 else leaves[0]
+        with count_saved_tensors() as saved:
+            losses = model.loss_by_feat(logits, data)
+        sum(v for k, v in losses.items() if 'loss' in k).backward()
+        results.append((losses, [leaf.grad for leaf in leaves], saved.total_bytes))
+    (expected, exact, unfused), (got, grads, fused) = results
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert all(torch.equal(a, b) for a, b in zip(exact, grads))
+    assert fused == sum(m.numel() * 4 for m in maps)
+    assert unfused >= 2 * 64 * 64 * 4 * channels  # a full-resolution map at least
 
 
 class SampledLoss(torch.nn.Module):

@@ -72,8 +72,9 @@ def seg_samples(n=2, size=16, classes=3):
     out = []
     for _ in range(n):
         sample = SegDataSample()
-        sample.gt_sem_seg = PixelData(data=torch.randint(0, classes, (1, size, size),
-                                                         generator=gen))
+        labels = torch.randint(0, classes, (1, size, size), generator=gen)
+        sample.gt_sem_seg = PixelData(data=labels)
+        sample.gt_edge_map = PixelData(data=(labels % 2).to(torch.uint8))  # PIDNet's boundaries
         sample.set_metainfo(dict(img_shape=(size, size), pad_shape=(size, size)))
         out.append(sample)
     return out
@@ -168,6 +169,38 @@ def mask_head(cls):
     return MaskLossOf(cls(**args))
 
 
+# Heads with a loss of their own: the upstream config of their family, the logits their
+# loss_by_feat reads (shapes at 4x4, batch 2), and channels shrunk to 8.
+OWN_LOSS_HEADS = {
+    'PIDHead': ('pidnet/pidnet-s_2xb6-120k_1024x1024-cityscapes.py', 'decode_head',
+                lambda: [torch.randn(2, 19, 4, 4), torch.randn(2, 19, 4, 4),
+                         torch.randn(2, 1, 4, 4)]),
+    'DDRHead': ('ddrnet/ddrnet_23-slim_in1k-pre_2xb6-120k_cityscapes-1024x1024.py',
+                'decode_head', lambda: [torch.randn(2, 19, 4, 4) for _ in range(2)]),
+    'STDCHead': ('stdc/stdc1_4xb12-80k_cityscapes-512x1024.py', 'auxiliary_head',
+                 lambda: [torch.randn(2, 1, 4, 4)]),
+    'EncHead': ('encnet/encnet_r50-d8_4xb4-80k_ade20k-512x512.py', 'decode_head',
+                lambda: [torch.randn(2, 150, 4, 4), torch.randn(2, 150)]),
+}
+
+
+def own_loss_head(cls):
+    from mmseg.utils import register_all_modules
+    from mmseg_models import upstream_config
+    register_all_modules()
+    family = family_of(cls)
+    name, key, _ = OWN_LOSS_HEADS[family]
+    heads = upstream_config(name).model[key]
+    args = dict(next(h for h in heads if h['type'] == family) if isinstance(heads, list)
+                else heads)
+    args.pop('type')
+    in_channels = args['in_channels']
+    args.update(channels=8, norm_cfg=dict(type='BN'),
+                in_channels=[8] * len(in_channels) if isinstance(in_channels, list) else 8)
+    head = cls(**args)
+    return TupleLossOf(head) if len(OWN_LOSS_HEADS[family][2]()) > 1 else LossOf(head)
+
+
 def lazy(cls):
     return cls(6, 3) if 'Conv' in cls.__name__ else cls() if 'Norm' in cls.__name__ else cls(6)
 
@@ -198,6 +231,8 @@ FAMILIES = {
     'DAHead': (da_head, lambda: [torch.randn(2, 3, 4, 4) for _ in range(3)]),
     'Conv1d': (lambda c: c(4, 6, 3, padding=1), lambda: [torch.randn(2, 4, 9)]),
     'AdaptiveAvgPool2d': (lambda c: c((3, 2)), lambda: [torch.randn(2, 4, 9, 7)]),
+    'Encoding': (lambda c: c(4, 3), lambda: [torch.randn(2, 4, 5, 3)]),
+    **{head: (own_loss_head, inputs) for head, (_, _, inputs) in OWN_LOSS_HEADS.items()},
     # mmseg's Mask2Former / MaskFormer heads (their handled bases are mmdet's)
     'MaskFormerHead': (mask_head, lambda: [torch.randn(2, 100, 151),
                                            torch.randn(2, 100, 16, 16)]),

@@ -47,8 +47,13 @@ ZOO = {
                    0.03),
     'poolformer-s12': ('poolformer/fpn_poolformer_s12_8xb4-40k_ade20k-512x512.py', None, 128,
                        0.03),
-    # Cityscapes' 19 classes; its OHEM cross-entropy and boundary losses are left (0.49)
-    'pidnet-s': ('pidnet/pidnet-s_2xb6-120k_1024x1024-cityscapes.py', None, 128, None),
+    # Cityscapes' 19 classes; the heads' own OHEM, boundary and semantic-encoding losses
+    # recomputed, PIDNet's sigmoid-gated fusions, EncNet's Encoding
+    'pidnet-s': ('pidnet/pidnet-s_2xb6-120k_1024x1024-cityscapes.py', None, 128, 0.03),
+    'pidnet-l': ('pidnet/pidnet-l_2xb6-120k_1024x1024-cityscapes.py', None, 128, 0.03),  # Bag
+    'ddrnet-23-slim': ('ddrnet/ddrnet_23-slim_in1k-pre_2xb6-120k_cityscapes-1024x1024.py', None,
+                       128, 0.03),
+    'encnet-r50': ('encnet/encnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, 0.03),
     'pointrend-r50': ('point_rend/pointrend_r50_4xb4-160k_ade20k-512x512.py', None, 128, 0.05),
     # channel gates (x * se(x)) and generated filters; MobileNetV3 at 512: its 49x49 pooling
     'cgnet': ('cgnet/cgnet_fcn_4xb4-60k_cityscapes-680x680.py', None, 128, 0.03),
@@ -212,3 +217,38 @@ def test_mmpretrain_layer_norm_2d_is_converted_exactly(data_format):
     assert torch.equal(*outs)
     for a, b in zip(*grads):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0) >= 0.999
+
+
+def test_encoding_saves_its_input_packed_and_recomputes_in_blocks(monkeypatch):
+    """EncNet's Encoding: forward bit-identical, one byte per input value saved (its residuals
+    expanded over the codewords are not), gradients close, and backward's blocks of pixels add
+    up to the one-block result from the same codes."""
+    import mmseg_mesa.integrations.encoding as encoding
+    from mmseg.models.utils.encoding import Encoding
+
+    from mmseg_mesa.memory import count_saved_tensors
+    torch.manual_seed(0)
+    reference = Encoding(channels=16, num_codes=8)
+    model = copy.deepcopy(reference)
+    report = convert_to_mesa(torch.nn.Sequential(model))
+    assert report.converted['0'][0] == 'Encoding'
+    x = torch.randn(2, 16, 12, 12).relu() * torch.linspace(0.5, 1.5, 16).view(1, -1, 1, 1)
+    grad = torch.randn(2, 8, 16)
+    runs = {}
+    for module in (reference, model):
+        leaf = x.clone().requires_grad_()
+        with count_saved_tensors(module) as saved:
+            out = module(leaf)
+        for block in (1 << 22, 2 * 8 * 16 * 5):  # one block; several, the last one short
+            monkeypatch.setattr(encoding, 'BLOCK_ELEMENTS', block)
+            leaf.grad = module.codewords.grad = module.scale.grad = None
+            out.backward(grad, retain_graph=True)
+            runs[module, block] = [leaf.grad, module.codewords.grad, module.scale.grad]
+        runs[module] = (out, saved.total_bytes)
+    assert torch.equal(runs[model][0], runs[reference][0])
+    assert runs[model][1] < x.numel() * 1.1 < runs[reference][1] / 4
+    exact = runs[reference, 1 << 22]
+    for g, e in zip(runs[model, 1 << 22], exact):
+        assert (g - e).norm() <= 0.02 * e.norm()
+    for g, h in zip(runs[model, 1 << 22], runs[model, 2 * 8 * 16 * 5]):
+        torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)

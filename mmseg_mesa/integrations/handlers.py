@@ -18,12 +18,15 @@ def register_openmmlab_handlers() -> None:
     from mmseg.models.decode_heads.knet_head import KernelUpdator
     from mmseg.models.decode_heads.uper_head import UPerHead
     from mmseg.models.segmentors.encoder_decoder import EncoderDecoder
+    from mmseg.models.utils.encoding import Encoding
 
     from .attention import MesaWindowMSA
+    from .encoding import MesaEncoding
     from .mask_heads import mask_head_classes
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .mmpretrain_modules import layer_norm_2d_class
-    from .modules import MesaDAHead, MesaDecodeHead, MesaDropPath
+    from .modules import (MesaDAHead, MesaDecodeHead, MesaDropPath, MesaRecomputedLossHead,
+                          own_loss_heads)
     from .segmentor import MesaEncoderDecoder
     from .uper_head import MesaUPerHead
 
@@ -36,6 +39,7 @@ def register_openmmlab_handlers() -> None:
     register_handler(ConvWS2d, 'conv2d', swap_to(MesaConvWS2d))
     register_handler(Conv2dAdaptivePadding, 'conv2d', swap_to(MesaConv2dAdaptivePadding))
     register_handler(WindowMSA, 'attention', swap_to(MesaWindowMSA))
+    register_handler(Encoding, 'attention', swap_to(MesaEncoding))
     register_handler(DropPath, 'droppath', swap_to(MesaDropPath),
                      lambda m: None if 0.0 < m.drop_prob < 1.0 else
                      f'drop_prob={m.drop_prob} saves no mask')
@@ -52,6 +56,9 @@ def register_openmmlab_handlers() -> None:
     register_handler(BaseDecodeHead, 'loss', swap_to(MesaDecodeHead),
                      replaces=('loss_by_feat',))
     register_handler(DAHead, 'loss', swap_to(MesaDAHead), replaces=('loss_by_feat',))
+    for head in own_loss_heads():
+        register_handler(head, 'loss', swap_to(MesaRecomputedLossHead),
+                         replaces=('loss_by_feat',))
     # UPerHead also fuses its FPN outputs without holding them twice; a subclass with its own
     # _forward_feature falls back to the BaseDecodeHead handler above.
     register_handler(UPerHead, 'loss', swap_to(MesaUPerHead),
@@ -94,6 +101,7 @@ def functional_types() -> dict[type, str]:
     from mmseg.models.backbones.beit import BEiTTransformerEncoderLayer
     from mmseg.models.backbones.cgnet import GlobalContextExtractor
     from mmseg.models.backbones.mscan import MSCAAttention, MSCABlock
+    from mmseg.models.backbones.pidnet import Bag, LightBag, PagFM
     from mmseg.models.decode_heads.apc_head import ACM
     from mmseg.models.decode_heads.da_head import CAM
     from mmseg.models.decode_heads.dm_head import DCM
@@ -111,10 +119,10 @@ def functional_types() -> dict[type, str]:
     # DMNet's DCM: convolutions with the filters it generates per image.
     attention = (SelfAttentionBlock, SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock,
                  KernelUpdateHead, DCM, *deformable_attention_types())
-    # layer scale (x * gamma), gated convolutions (attn * u) and channel gates (x * se(x):
-    # MobileNetV3's SE blocks, CGNet's context extractor)
+    # layer scale (x * gamma), gated convolutions (attn * u), channel gates (x * se(x):
+    # MobileNetV3's SE blocks, CGNet's context extractor) and PIDNet's sigmoid-gated fusions
     products = (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock, SELayer,
-                GlobalContextExtractor, *layer_scale_block_types())
+                GlobalContextExtractor, PagFM, Bag, LightBag, *layer_scale_block_types())
     return {**{t: 'attention' for t in attention}, **{t: 'product' for t in products}}
 
 

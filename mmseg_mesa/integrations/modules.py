@@ -5,6 +5,9 @@
   ``MesaDecodeHead``: per-pixel cross-entropies are computed band by band
   (``layers.banded_loss``) and reduced once as mmseg reduces them; other losses (Dice, Lovasz,
   a pixel sampler) run whole through ``RecomputedLoss``, and the log says why. Both are exact.
+- Heads with a loss of their own (PIDNet's and DDRNet's OHEM and boundary losses, STDC's detail
+  loss, EncNet's semantic-encoding loss) become ``MesaRecomputedLossHead``: that loss runs whole
+  through ``RecomputedLoss``, keeping only the head's logits.
 """
 from __future__ import annotations
 
@@ -143,3 +146,33 @@ class MesaDAHead(MesaDecodeHead, DAHead):
             losses.update(add_prefix(
                 MesaDecodeHead.loss_by_feat(self, logits, batch_data_samples), prefix))
         return losses
+
+
+class MesaRecomputedLossHead(MesaModule, BaseDecodeHead):
+    """A decode head whose own ``loss_by_feat`` keeps only its logits for backward.
+
+    Such losses (OHEM cross-entropy, boundary and detail losses, EncNet's semantic-encoding
+    loss) upsample each logit map to the label size and keep every intermediate there; the
+    head's own code runs instead through ``RecomputedLoss``, from the same random state in
+    backward, so its values and gradients are exactly the unconverted head's. The first
+    argument (a tensor, or a tuple / list of them) is what is kept.
+    """
+
+    def loss_by_feat(self, seg_logits: Any, *args: Any, **kwargs: Any) -> dict:
+        own = super().loss_by_feat
+        many = isinstance(seg_logits, (tuple, list))
+        parts = list(seg_logits) if many else [seg_logits]
+        if not all(isinstance(t, torch.Tensor) for t in parts) or not self.mesa_active(*parts):
+            return own(seg_logits, *args, **kwargs)
+        rebuild = type(seg_logits) if many else (lambda tensors: tensors[0])
+        return recomputed_losses(
+            lambda *tensors: own(rebuild(tensors), *args, **kwargs), *parts)
+
+
+def own_loss_heads() -> tuple[type, ...]:
+    """mmseg's decode heads with a loss of their own that ``MesaRecomputedLossHead`` keeps."""
+    from mmseg.models.decode_heads.ddr_head import DDRHead
+    from mmseg.models.decode_heads.enc_head import EncHead
+    from mmseg.models.decode_heads.pid_head import PIDHead
+    from mmseg.models.decode_heads.stdc_head import STDCHead
+    return PIDHead, DDRHead, STDCHead, EncHead

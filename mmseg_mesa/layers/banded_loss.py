@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import returns_owned
+from .base import record_autocast, replayed_autocast, returns_owned
 
 # Elements of one band's upsampled logits (16 MiB in fp32): small next to the activations, large
 # enough that the per-band overhead (two halo rows per band) stays a few percent.
@@ -153,9 +153,7 @@ class BandedCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor,
                 labels_fn: Callable[[], torch.Tensor], spec: BandedLossSpec,
                 out_dtypes: list) -> tuple[torch.Tensor, ...]:
-        device_type = logits.device.type
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type),
-                        torch.get_autocast_dtype(device_type))
+        record_autocast(ctx, logits)
         ctx.spec = spec
         batch, channels = logits.shape[:2]
         out_h, out_w = labels.shape[-2:]
@@ -191,10 +189,9 @@ class BandedCrossEntropy(torch.autograd.Function):
         labels = ctx.labels_fn()
         grad_logits = torch.zeros_like(logits)
         width = labels.shape[-1]
-        device_type, enabled, dtype = ctx.autocast
         for band in ctx.bands:
             rows = slice(band.out_start, band.out_stop)
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            with torch.enable_grad(), replayed_autocast(ctx):
                 leaf = _source(logits, band).detach().requires_grad_()
                 up = _upsampled(leaf, band, width, spec.align_corners)
                 values = _cross_entropies(up, labels[band.batch, rows], spec,

@@ -189,6 +189,20 @@ def record_input(ctx: Any, x: torch.Tensor) -> None:
     ctx.input_dtype = x.dtype
 
 
+def record_autocast(ctx: Any, x: torch.Tensor) -> None:
+    """``record_input(ctx, x)`` and the autocast state, for a backward that runs forward code
+    again with grad enabled (a recomputation): ``replayed_autocast(ctx)`` restores it there."""
+    record_input(ctx, x)
+    ctx.autocast = (torch.is_autocast_enabled(ctx.device_type),
+                    torch.get_autocast_dtype(ctx.device_type))
+
+
+def replayed_autocast(ctx: Any) -> contextlib.AbstractContextManager:
+    """The autocast state ``record_autocast`` recorded in forward."""
+    enabled, dtype = ctx.autocast
+    return torch.autocast(ctx.device_type, dtype=dtype, enabled=enabled)
+
+
 def autocast_inputs(ctx: Any, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """``autocast_cast(*tensors)`` for an op run as autocast would: records ``record_input`` of
     the first tensor and ``ctx.compute_dtype``, the dtype the op runs and its backward computes

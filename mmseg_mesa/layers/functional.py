@@ -36,6 +36,7 @@ from .base import (
     row_group_config,
     sum_to,
 )
+from .cnn_activations import MesaSmoothFunction
 from .conv import MesaConv2dFunction
 from .einsum import MesaEinsumFunction, gradient_equations
 from .grid_sample import MesaGridSampleFunction
@@ -57,6 +58,7 @@ _EINSUMS = {torch.einsum}
 _CONVS = {F.conv2d, torch.conv2d}
 _GRID_SAMPLES = {F.grid_sample}
 _ADAPTIVE_POOLS = {F.adaptive_avg_pool2d}
+_SIGMOIDS = {torch.sigmoid, torch.Tensor.sigmoid}
 
 
 class MesaMulFunction(torch.autograd.Function):
@@ -180,6 +182,8 @@ class _Capture(TorchFunctionMode):
             return self._grid_sample(*args, **kwargs)
         elif func in _ADAPTIVE_POOLS:
             return self._adaptive_pool(*args, **kwargs)
+        elif func in _SIGMOIDS and len(args) == 1 and not kwargs:
+            return self._sigmoid(args[0])
         return None
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -236,6 +240,16 @@ class _Capture(TorchFunctionMode):
             return None
         return MesaLinearPoolFunction.apply(
             input, functools.partial(F.adaptive_avg_pool2d, output_size=output_size))
+
+    def _sigmoid(self, x: torch.Tensor) -> torch.Tensor | None:
+        """A gate the module computes itself (PIDNet's boundary attention): its output packed
+        per channel, as ``MesaSigmoid``."""
+        if not (_is_activation(x) and x.requires_grad and x.dim() >= 2):
+            return None
+        site = self._site('activation', {'output': (1 if x.dim() >= 4 else -1, None)})
+        if site is None:
+            return None
+        return MesaSmoothFunction.apply(x, torch.sigmoid, 'sigmoid', False, *site)
 
     def _product(self, a: Any, b: Any) -> torch.Tensor | None:
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \

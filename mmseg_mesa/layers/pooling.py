@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..saved import load, save
-from .base import MesaModule, returns_owned
+from .base import MesaModule, record_autocast, replayed_autocast, returns_owned
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
@@ -124,9 +124,7 @@ class MesaLinearPoolFunction(torch.autograd.Function):
     @staticmethod
     @returns_owned
     def forward(ctx: Any, x: torch.Tensor, pool: Any) -> torch.Tensor:
-        device_type = x.device.type
-        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type),
-                        torch.get_autocast_dtype(device_type))
+        record_autocast(ctx, x)
         ctx.input_meta = (x.shape, x.dtype, x.device, x.is_contiguous(
             memory_format=torch.channels_last) and not x.is_contiguous())
         ctx.pool = pool
@@ -135,12 +133,10 @@ class MesaLinearPoolFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         shape, dtype, device, channels_last = ctx.input_meta
-        device_type, enabled, autocast_dtype = ctx.autocast
         probe = torch.zeros(shape, dtype=dtype, device=device)
         if channels_last:
             probe = probe.contiguous(memory_format=torch.channels_last)
-        with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype,
-                                                 enabled=enabled):
+        with torch.enable_grad(), replayed_autocast(ctx):
             probe.requires_grad_()
             (grad_x,) = torch.autograd.grad(ctx.pool(probe), probe, grad)
         return grad_x, None

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .base import returns_owned
+from .base import record_autocast, replayed_autocast, returns_owned
 
 LossFn = Callable[..., dict[str, torch.Tensor]]
 
@@ -36,10 +36,8 @@ class RecomputedLoss(torch.autograd.Function):
     @returns_owned
     def forward(ctx: Any, loss_fn: LossFn, names_out: list[str],
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        device = inputs[0].device
-        ctx.autocast = (device.type, torch.is_autocast_enabled(device.type),
-                        torch.get_autocast_dtype(device.type))
-        ctx.rng = random_state(device)
+        record_autocast(ctx, inputs[0])
+        ctx.rng = random_state(inputs[0].device)
         ctx.loss_fn = loss_fn
         with torch.no_grad():
             # detached: a view of an input would claim requires_grad with no grad_fn, which
@@ -55,9 +53,7 @@ class RecomputedLoss(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         inputs = ctx.saved_tensors
         wanted = ctx.needs_input_grad[2:]
-        device_type, enabled, dtype = ctx.autocast
-        with torch.enable_grad(), replayed_random_state(*ctx.rng), \
-                torch.autocast(device_type, dtype=dtype, enabled=enabled):
+        with torch.enable_grad(), replayed_random_state(*ctx.rng), replayed_autocast(ctx):
             leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, wanted)]
             result = ctx.loss_fn(*leaves)
         pairs = [(result[name], g) for name, g in zip(ctx.names, grads)
