@@ -33,9 +33,9 @@ class SavedTensorReport:
     model itself, ``'<functional>'`` means no module was running), and ``storages`` maps each
     counted storage (``storage_key``) to that name and its bytes, so a caller can tell who saved
     what (``tools/coverage.py`` splits it into Mesa's saves and the rest); where a storage was
-    freed and its address reused by a later one, the later one's entry replaces it. ``softmax_bytes``
-    is the part that softmax outputs take (attention maps, in transformers): torch's softmax
-    keeps its output, Mesa's softmax its codes.
+    freed and its address reused by a later one, the later one's entry replaces it.
+    ``softmax_bytes`` is the part that softmax outputs take (attention maps, in transformers):
+    torch's softmax keeps its output, Mesa's softmax its codes.
     """
 
     total_bytes: int = 0

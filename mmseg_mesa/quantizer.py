@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,8 +25,8 @@ from .reference import dequantize_packed_reference, quantize_packed_reference, s
 from .rounding import reset_rounding_generators, rounding_counter
 
 __all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'pack',
-           'packed_reusing', 'reset_rounding_generators', 'rounding_counter', 'sample_range',
-           'scale_from_span', 'unpack']
+           'reset_rounding_generators', 'rounding_counter', 'sample_range', 'scale_from_span',
+           'unpack']
 
 
 def without_grad() -> contextlib.AbstractContextManager:
@@ -111,47 +110,6 @@ def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
     return kernel.dequantize(packed.data.contiguous(), packed.lower, packed.scale,
                              packed.group_dim, packed.group_size, dtype or packed.dtype,
                              bits=packed.bits, shape=packed.shape)
-
-
-def attach_codes(x: torch.Tensor, packed: Codes) -> None:
-    """Offer ``packed`` (codes that decode to ``x``) to the next layer that saves ``x``.
-
-    An attention map is saved by its softmax and again by ``attn @ v``; a GELU's input is saved by
-    the GELU, and its output by the next Linear; a LayerNorm's normalized input by the norm, and
-    its output (a per-channel affine of it) by the next Linear. With the codes attached to the
-    tensor, one copy serves both (``attached_codes``).
-    """
-    x._mesa_codes = (packed, x._version)  # type: ignore[attr-defined]
-
-
-def attached_codes(x: torch.Tensor, spec: QuantSpec,
-                   dtype: torch.dtype | None = None) -> Codes | None:
-    """The codes ``attach_codes`` left on ``x`` when they are what ``spec`` would store (same
-    bits, groups and backend) and ``x`` has not been modified in place since; else None.
-
-    ``dtype`` is what they decode to (the layer's compute dtype; ``x``'s by default).
-    """
-    found = getattr(x, '_mesa_codes', None)
-    if found is None:
-        return None
-    packed, version = found
-    same = (version == x._version and packed.shape == x.shape and packed.bits == spec.bits
-            and packed.group_dim == spec.group_dim % x.dim()
-            and packed.group_size == spec.group_size and packed.backend == spec.backend)
-    if not same:
-        return None
-    return packed if dtype in (None, packed.dtype) else replace(packed, dtype=dtype)
-
-
-def packed_reusing(x: torch.Tensor, cast: torch.Tensor, quantizer: Any) -> Codes:
-    """What a layer saves of its input ``x``: the codes another layer attached to ``x`` when
-    ``quantizer`` is an ``ActivationQuantizer`` that would store the same, decoding to ``cast``'s
-    dtype; else ``cast`` (``x`` as the layer's op sees it) packed by ``quantizer``."""
-    if isinstance(quantizer, ActivationQuantizer):
-        found = attached_codes(x, quantizer.spec, cast.dtype)
-        if found is not None:
-            return found
-    return quantizer.pack(cast)
 
 
 class ActivationQuantizer(nn.Module):

@@ -223,9 +223,9 @@ def test_encoding_saves_its_input_packed_and_recomputes_in_blocks(monkeypatch):
     """EncNet's Encoding: forward bit-identical, one byte per input value saved (its residuals
     expanded over the codewords are not), gradients close, and backward's blocks of pixels add
     up to the one-block result from the same codes."""
-    import mmseg_mesa.integrations.encoding as encoding
     from mmseg.models.utils.encoding import Encoding
 
+    import mmseg_mesa.integrations.encoding as encoding
     from mmseg_mesa.memory import count_saved_tensors
     torch.manual_seed(0)
     reference = Encoding(channels=16, num_codes=8)

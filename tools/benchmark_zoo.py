@@ -226,13 +226,13 @@ def one(path: str, size: int, batch: int, json_path: str) -> int:
 
 
 def format_row(row: dict) -> str:
+    config = f"`{row['config'].split('/')[1]}`" if row['config'] else '-'
     if row.get('outcome') != 'ok':
-        return f"| {row['family']} | `{row['config'].split('/')[1]}` | {row.get('outcome')} " \
-               f"| | | | | |"
+        return f"| {row['family']} | {config} | {row.get('outcome')} | | | | | |"
     top = ', '.join(f"`{t['type']}` {t['share']:.3f}" for t in row['left_top']
                     if t['share'] >= 0.005) or '-'
     identical = 'yes' if row['forward_identical'] else '**no**'
-    return (f"| {row['family']} | `{row['config'].split('/')[1]}` | ok, forward identical: "
+    return (f"| {row['family']} | {config} | ok, forward identical: "
             f"{identical} | {row['saved_ratio']:.3f} | {row['left_share']:.3f} | {top} | "
             f"{row['relative_error']:.4f} ({row['relative_error'] / row['minibatch_noise']:.3f}"
             f" of noise) | {row['worst_cosine']:.4f} |")
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     if missing:  # a newer mmseg: say so rather than leave a family out silently
         print(f'families without a representative config here: {missing}', flush=True)
     chosen = [f for f in (args.families or found) if f in CONFIGS]
-    rows: list[dict] = [dict(family=f, config=f, outcome=f'skipped: {SKIPPED[f]}')
+    rows: list[dict] = [dict(family=f, config=None, outcome=f'skipped: {SKIPPED[f]}')
                         for f in (args.families or found) if f in SKIPPED]
     print(HEADER, flush=True)
     for row in rows:

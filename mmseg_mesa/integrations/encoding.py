@@ -24,7 +24,8 @@ from ..layers.base import (
     restore,
     returns_owned,
 )
-from ..quantizer import ActivationQuantizer, packed_reusing
+from ..quantizer import ActivationQuantizer
+from ..reuse import packed_reusing
 from ..saved import load, save
 
 # Elements of one block's residuals in backward (16 MiB in fp32), as the banded loss's bands.

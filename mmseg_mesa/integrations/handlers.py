@@ -25,8 +25,13 @@ def register_openmmlab_handlers() -> None:
     from .mask_heads import mask_head_classes
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .mmpretrain_modules import layer_norm_2d_class
-    from .modules import (MesaDAHead, MesaDecodeHead, MesaDropPath, MesaRecomputedLossHead,
-                          own_loss_heads)
+    from .modules import (
+        MesaDAHead,
+        MesaDecodeHead,
+        MesaDropPath,
+        MesaRecomputedLossHead,
+        own_loss_heads,
+    )
     from .segmentor import MesaEncoderDecoder
     from .uper_head import MesaUPerHead
 

@@ -28,7 +28,8 @@ from torch import nn
 from ..config import MesaConfig
 from ..layers.base import make_quantizer, returns_owned
 from ..layers.conv import MesaConv2d
-from ..quantizer import ActivationQuantizer, Packed, attach_codes, sample_range, unpack
+from ..quantizer import ActivationQuantizer, Packed, sample_range, unpack
+from ..reuse import attach_codes
 from .modules import MesaDecodeHead
 from .segmentor import FeatureList
 

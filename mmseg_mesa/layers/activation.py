@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, Mapped, Packed, attach_codes, unpack
+from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack
+from ..reuse import attach_codes
 from ..saved import PackedMask, load, save
 from .base import MesaModule, cast, no_autocast_backward, record_input, returns_owned
 

@@ -15,7 +15,8 @@ from torch import nn
 from ..codes import Codes
 from ..config import MesaConfig
 from ..division import DivisionCompressor, DivisionSpec
-from ..quantizer import ActivationQuantizer, QuantSpec, packed_reusing, unpack
+from ..quantizer import ActivationQuantizer, QuantSpec, unpack
+from ..reuse import packed_reusing
 from ..saved import load, save
 
 M = TypeVar('M', bound=nn.Module)

@@ -5,7 +5,8 @@ from typing import Any
 
 import torch
 
-from ..quantizer import ActivationQuantizer, packed_reusing
+from ..quantizer import ActivationQuantizer
+from ..reuse import packed_reusing
 from ..saved import save
 from .base import no_autocast_backward, operand_gradients, record_input, returns_owned
 

@@ -6,7 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, packed_reusing
+from ..quantizer import ActivationQuantizer
+from ..reuse import packed_reusing
 from ..saved import save
 from .base import (
     MesaModule,

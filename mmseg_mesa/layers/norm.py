@@ -11,7 +11,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..codes import Codes
-from ..quantizer import ActivationQuantizer, Mapped, Packed, attach_codes, unpack, without_grad
+from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_grad
+from ..reuse import attach_codes
 from ..saved import load, save
 from .base import (
     FUSED_BACKWARD_BYTES,

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, attach_codes, unpack
+from ..quantizer import ActivationQuantizer, unpack
+from ..reuse import attach_codes
 from ..saved import SOFTMAX_OUTPUT, load, save
 from .base import MesaModule, no_autocast_backward, record_input, returns_owned
 

@@ -1,0 +1,69 @@
+"""Codes one layer offers the next (mmseg_mesa.reuse): reused where they are what the next
+layer would store, packed again with the reason where not, and counted either way."""
+import copy
+
+import pytest
+import torch
+from mmseg_models import DEIT_S, SWIN_T, batch, build_model
+from torch import nn
+
+from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.memory import count_saved_tensors
+from mmseg_mesa.reuse import count_reuse
+
+
+def norm_then_linear(config):
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 8), nn.GELU(), nn.Linear(8, 4))
+    convert_to_mesa(model, config=config)
+    return model.train()
+
+
+def test_matching_codes_are_reused_and_others_packed_again_with_the_reason():
+    x = torch.randn(4, 10, 16, requires_grad=True)
+    default = norm_then_linear(MesaConfig())
+    with count_reuse(default) as counts, count_saved_tensors(default) as shared:
+        default(x)
+    assert counts.hits['Linear'] == 2 and not counts.misses  # after the norm, after the GELU
+    four_bit_norm = norm_then_linear(MesaConfig(layer_bits={'layernorm': 4}))
+    with count_reuse(four_bit_norm) as counts, count_saved_tensors(four_bit_norm) as own:
+        four_bit_norm(x)
+    assert counts.hits['Linear'] == 1
+    assert counts.misses == {('Linear', '4-bit codes, 8-bit wanted'): 1}
+    assert own.total_bytes > shared.total_bytes  # the second copy costs bytes
+    assert 'Linear: 1 reused, 1 packed again (1 x 4-bit codes, 8-bit wanted)' in \
+        counts.summary()
+
+
+def test_an_in_place_change_is_a_miss():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.fc(self.norm(x).mul_(2.0))
+
+    model = Scaled()
+    convert_to_mesa(model)
+    with count_reuse(model.train()) as counts:
+        model(torch.randn(3, 16, requires_grad=True))
+    assert counts.misses == {('Linear', 'modified in place since'): 1}
+
+
+@pytest.mark.parametrize('name, options', [
+    (SWIN_T, None), (DEIT_S, {'model.backbone.img_size': (64, 64)})])
+def test_transformer_upernets_reuse_every_code_the_design_expects(name, options):
+    """Default preset: every norm / GELU output a Linear saves is the norm's or GELU's codes,
+    and no offered code is packed again."""
+    reference = build_model(name, options=options)
+    model = copy.deepcopy(reference)
+    convert_to_mesa(model)
+    blocks = sum(len(stage.blocks) for stage in model.backbone.stages) if name == SWIN_T \
+        else len(model.backbone.layers)
+    assert blocks == 12
+    with count_reuse(model.train()) as counts:
+        model(*batch(64, n=2), mode='loss')
+    assert not counts.misses, counts.summary()
+    # norm2 -> fc1 and GELU -> fc2 in every block (Swin's qkv reads shifted windows of norm1's
+    # output, a copy; ViT's ln1 feeds nn.MultiheadAttention's own projection)
+    assert counts.hits['Linear'] >= 2 * blocks, counts.summary()
