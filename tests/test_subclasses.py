@@ -181,7 +181,19 @@ OWN_LOSS_HEADS = {
                  lambda: [torch.randn(2, 1, 4, 4)]),
     'EncHead': ('encnet/encnet_r50-d8_4xb4-80k_ade20k-512x512.py', 'decode_head',
                 lambda: [torch.randn(2, 150, 4, 4), torch.randn(2, 150)]),
+    'PointHead': ('point_rend/pointrend_r50_4xb4-160k_ade20k-512x512.py', 'decode_head',
+                  lambda: [torch.randn(2, 150, 7)]),
 }
+
+
+class PointLossOf(LossOf):
+    """Runs PointRend's point-head loss on its point logits at random points."""
+
+    def forward(self, point_logits):
+        points = torch.rand(point_logits.shape[0], point_logits.shape[2], 2,
+                            generator=torch.Generator().manual_seed(0))
+        losses = self.head.loss_by_feat(point_logits, points, seg_samples())
+        return tuple(losses[k] for k in sorted(losses))
 
 
 def own_loss_head(cls):
@@ -195,9 +207,13 @@ def own_loss_head(cls):
                 else heads)
     args.pop('type')
     in_channels = args['in_channels']
-    args.update(channels=8, norm_cfg=dict(type='BN'),
+    args.update(channels=8,
                 in_channels=[8] * len(in_channels) if isinstance(in_channels, list) else 8)
+    if args.get('norm_cfg') is not None:  # SyncBN in the configs: one process here
+        args['norm_cfg'] = dict(type='BN')
     head = cls(**args)
+    if family == 'PointHead':
+        return PointLossOf(head)
     return TupleLossOf(head) if len(OWN_LOSS_HEADS[family][2]()) > 1 else LossOf(head)
 
 

@@ -193,3 +193,42 @@ def test_releasing_input_frees_the_input_once_the_conv_has_run():
         assert alive == [hooked] and torch.allclose(got, want, atol=1e-6)
         x = torch.randn(2, 4, 8, 8)
         want = module(x.clone())
+
+
+def backward_peak(head, inputs):
+    """The peak of what the head's backward allocates (its temporaries and gradients)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    out = head(inputs)
+    tracker = MemTracker()
+    with tracker:
+        out.square().sum().backward()
+    return tracker.get_tracker_snapshot('peak')[inputs[0].device]['Total']
+
+
+def test_bottleneck_input_gradient_is_formed_a_level_at_a_time(monkeypatch):
+    """The bottleneck conv hands its input gradient to the FPN levels one channel slice at a
+    time: the same gradients (up to the order of float sums) from the same codes, and the whole
+    concatenated input gradient never exists in backward."""
+    import mmseg_mesa.integrations.uper_head as uper_head
+    from mmseg_mesa.quantizer import reset_rounding_generators
+    size = 128
+    reference, inputs = head_and_inputs(size)
+    convert_to_mesa(nn.ModuleList([reference]), config=MesaConfig())
+    runs = {}
+    for levelwise in (True, False):
+        if not levelwise:
+            monkeypatch.setattr(uper_head, 'LevelGradients', lambda slices: None)
+        head = copy.deepcopy(reference)
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        torch.manual_seed(1)
+        reset_rounding_generators()  # the same codes in both
+        head(xs).square().sum().backward()
+        runs[levelwise] = [x.grad for x in xs] + [p.grad for p in head.parameters()]
+        torch.manual_seed(1)
+        reset_rounding_generators()
+        runs[levelwise, 'peak'] = backward_peak(copy.deepcopy(reference), xs)
+    for a, b in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    piece = 2 * CHANNELS * size * size * 4  # one full-resolution FPN output, fp32
+    saved = runs[False, 'peak'] - runs[True, 'peak']
+    assert saved >= 2.5 * piece, saved / piece

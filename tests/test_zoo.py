@@ -54,7 +54,15 @@ ZOO = {
     'ddrnet-23-slim': ('ddrnet/ddrnet_23-slim_in1k-pre_2xb6-120k_cityscapes-1024x1024.py', None,
                        128, 0.03),
     'encnet-r50': ('encnet/encnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, 0.03),
-    'pointrend-r50': ('point_rend/pointrend_r50_4xb4-160k_ade20k-512x512.py', None, 128, 0.05),
+    # BiSeNet's and STDC's attention / fusion modules, criss-cross attention, mmcv's Scale
+    'stdc1': ('stdc/stdc1_4xb12-80k_cityscapes-512x1024.py', None, 128, 0.03),
+    'bisenetv1-r18': ('bisenetv1/bisenetv1_r18-d32_4xb4-160k_cityscapes-1024x1024.py', None, 128,
+                      0.03),
+    'bisenetv2': ('bisenetv2/bisenetv2_fcn_4xb4-160k_cityscapes-1024x1024.py', None, 128, 0.03),
+    'ccnet-r50': ('ccnet/ccnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, 0.03),
+    'resnest-s50': ('resnest/resnest_s101-d8_fcn_4xb4-160k_ade20k-512x512.py',
+                    {'model.backbone.depth': 50}, 128, 0.03),
+    'pointrend-r50': ('point_rend/pointrend_r50_4xb4-160k_ade20k-512x512.py', None, 128, 0.03),
     # channel gates (x * se(x)) and generated filters; MobileNetV3 at 512: its 49x49 pooling
     'cgnet': ('cgnet/cgnet_fcn_4xb4-60k_cityscapes-680x680.py', None, 128, 0.03),
     'dmnet-r50': ('dmnet/dmnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 128, 0.03),

@@ -103,10 +103,16 @@ def functional_types() -> dict[type, str]:
     """
     from mmcv.cnn.bricks.context_block import ContextBlock
     from mmcv.cnn.bricks.non_local import NonLocal2d
+    from mmcv.cnn.bricks.scale import Scale
     from mmseg.models.backbones.beit import BEiTTransformerEncoderLayer
+    from mmseg.models.backbones.bisenetv1 import AttentionRefinementModule
+    from mmseg.models.backbones.bisenetv1 import FeatureFusionModule as BiSeNetFusion
+    from mmseg.models.backbones.bisenetv2 import BGALayer
     from mmseg.models.backbones.cgnet import GlobalContextExtractor
     from mmseg.models.backbones.mscan import MSCAAttention, MSCABlock
     from mmseg.models.backbones.pidnet import Bag, LightBag, PagFM
+    from mmseg.models.backbones.resnest import SplitAttentionConv2d
+    from mmseg.models.backbones.stdc import FeatureFusionModule as STDCFusion
     from mmseg.models.decode_heads.apc_head import ACM
     from mmseg.models.decode_heads.da_head import CAM
     from mmseg.models.decode_heads.dm_head import DCM
@@ -123,21 +129,27 @@ def functional_types() -> dict[type, str]:
     # path mmcv takes off CUDA.
     # DMNet's DCM: convolutions with the filters it generates per image.
     attention = (SelfAttentionBlock, SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock,
-                 KernelUpdateHead, DCM, *deformable_attention_types())
-    # layer scale (x * gamma), gated convolutions (attn * u), channel gates (x * se(x):
-    # MobileNetV3's SE blocks, CGNet's context extractor) and PIDNet's sigmoid-gated fusions
+                 KernelUpdateHead, DCM, *mmcv_ops_attention_types())
+    # layer scale (x * gamma; mmcv's Scale: DANet's and CCNet's learned residual weights),
+    # gated convolutions (attn * u), channel gates (x * se(x): MobileNetV3's SE blocks, CGNet's
+    # context extractor, BiSeNet's and STDC's attention and fusion modules, ResNeSt's split
+    # attention) and PIDNet's and BiSeNetV2's sigmoid-gated fusions
     products = (BEiTTransformerEncoderLayer, MSCAAttention, MSCABlock, SELayer,
-                GlobalContextExtractor, PagFM, Bag, LightBag, *layer_scale_block_types())
+                GlobalContextExtractor, AttentionRefinementModule, BiSeNetFusion, STDCFusion,
+                SplitAttentionConv2d, BGALayer, PagFM, Bag, LightBag, Scale,
+                *layer_scale_block_types())
     return {**{t: 'attention' for t in attention}, **{t: 'product' for t in products}}
 
 
-def deformable_attention_types() -> tuple[type, ...]:
-    """mmcv's ``MultiScaleDeformableAttention``, where mmcv was built with its ops."""
+def mmcv_ops_attention_types() -> tuple[type, ...]:
+    """mmcv's ``MultiScaleDeformableAttention`` and CCNet's ``CrissCrossAttention`` (its
+    einsums and softmax), where mmcv was built with its ops (``mmcv.ops`` imports them)."""
     try:
+        from mmcv.ops.cc_attention import CrissCrossAttention
         from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttention
-    except ImportError:  # mmcv-lite: no ops, no deformable attention to convert
+    except ImportError:  # mmcv-lite: no ops, nothing of them to convert
         return ()
-    return (MultiScaleDeformableAttention,)
+    return MultiScaleDeformableAttention, CrissCrossAttention
 
 
 def register_functional_handlers() -> None:

@@ -170,9 +170,11 @@ class MesaRecomputedLossHead(MesaModule, BaseDecodeHead):
 
 
 def own_loss_heads() -> tuple[type, ...]:
-    """mmseg's decode heads with a loss of their own that ``MesaRecomputedLossHead`` keeps."""
+    """mmseg's decode heads with a loss of their own that ``MesaRecomputedLossHead`` keeps
+    (PointRend's point head: the cross-entropy of its point logits)."""
     from mmseg.models.decode_heads.ddr_head import DDRHead
     from mmseg.models.decode_heads.enc_head import EncHead
     from mmseg.models.decode_heads.pid_head import PIDHead
+    from mmseg.models.decode_heads.point_head import PointHead
     from mmseg.models.decode_heads.stdc_head import STDCHead
-    return PIDHead, DDRHead, STDCHead, EncHead
+    return PIDHead, DDRHead, STDCHead, EncHead, PointHead

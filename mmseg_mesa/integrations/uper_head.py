@@ -26,12 +26,85 @@ from mmseg.models.utils import resize
 from torch import nn
 
 from ..config import MesaConfig
-from ..layers.base import make_quantizer, returns_owned
+from ..layers.base import (
+    cast,
+    make_quantizer,
+    returns_owned,
+    rows_of,
+    sample_slices,
+    summed,
+)
 from ..layers.conv import MesaConv2d
 from ..quantizer import ActivationQuantizer, Packed, sample_range, unpack
 from ..reuse import attach_codes
+from ..saved import load
 from .modules import MesaDecodeHead
 from .segmentor import FeatureList
+
+
+class LevelGradients:
+    """The bottleneck conv's backward, one channel slice (FPN level) at a time.
+
+    The conv (``MesaConv2dFunction``, reading the buffer ``concat_channels`` wrote) hands its
+    backward here. The weight gradient is taken a level at a time from that level's codes
+    (decoded and upsampled a few samples at a time), and the input gradient is not formed whole
+    (256 MiB on Swin-T UPerNet at 512x512, batch 2, the largest temporary of its backward): the
+    conv keeps its output gradient and weight here, and each ``WriteChannels`` backward takes its
+    own slice, ``conv2d_input`` through that slice of the weight, which is that slice of the
+    whole input gradient (each input channel's gradient reads only its own weights); it goes
+    back through its upsampling before the next slice exists. Gradients are the whole conv's up
+    to the order of float sums.
+    """
+
+    def __init__(self, slices: int) -> None:
+        self.remaining = slices
+        self.source: tuple | None = None  # (grad, weight, conv_args, input shape, dtype)
+
+    def backward(self, ctx: Any, grad: torch.Tensor) -> tuple:
+        """``MesaConv2dFunction.backward`` for the buffer's conv: its codes are ``FusedCodes``."""
+        codes, weight = load(ctx)
+        grad = cast(grad, ctx.compute_dtype)
+        w = cast(weight, ctx.compute_dtype)
+        needs = ctx.needs_input_grad
+        grad_x = grad_w = grad_b = None
+        if needs[1]:
+            starts = [0]
+            for part in codes.parts:
+                starts.append(starts[-1] + part.shape[1])
+            grad_w = torch.cat([
+                level_weight_grad(part, codes, grad, w[:, a:b].shape, ctx.conv_args)
+                for part, a, b in zip(codes.parts, starts, starts[1:])], dim=1)
+            grad_w = cast(grad_w, weight.dtype)
+        if needs[2]:
+            grad_b = cast(grad.sum((0, 2, 3)), weight.dtype)
+        if needs[0]:
+            self.source = (grad, w, ctx.conv_args, ctx.input_shape, ctx.input_dtype)
+            # a zero of no storage: every WriteChannels takes its own slice instead
+            grad_x = grad.new_zeros((), dtype=ctx.input_dtype).expand(ctx.input_shape)
+        return (grad_x, grad_w, grad_b, *[None] * (len(needs) - 3))
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        grad, weight, conv_args, shape, dtype = self.source
+        piece = torch.nn.grad.conv2d_input((shape[0], stop - start, *shape[2:]),
+                                           weight[:, start:stop], grad, *conv_args)
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.source = None
+        return piece.to(dtype)
+
+
+def level_weight_grad(part: Packed, codes: FusedCodes, grad: torch.Tensor,
+                      weight_shape: torch.Size, conv_args: tuple) -> torch.Tensor:
+    """The bottleneck weight's gradient for one level's channels (fp32), from that level's codes
+    decoded and upsampled (as ``FusedCodes.restore`` does) a few samples at a time."""
+    slices = sample_slices(torch.Size((part.shape[0], part.shape[1], *codes.shape[2:])), 4)
+    pieces = [(rows, sample_range(part, rows.start, rows.stop)) for rows in slices
+              if len(slices) > 1]
+    if not pieces or any(piece is None for _, piece in pieces):
+        pieces = [(slice(None), part)]
+    return summed(torch.nn.grad.conv2d_weight(
+        codes.upsampled(unpack(piece, torch.float32)).to(grad.dtype), weight_shape,
+        rows_of(grad, rows), *conv_args).float() for rows, piece in pieces)
 
 
 class WriteChannels(torch.autograd.Function):
@@ -41,20 +114,27 @@ class WriteChannels(torch.autograd.Function):
     ``piece`` a copy of its slice. ``copy_`` into a view would record ``CopySlices``, which clones
     the whole gradient once per piece; a view of the slice would keep the whole gradient alive
     until the last piece's backward has run (the first FPN output's, after its whole branch).
+    Where the one reader of the buffer left its input gradient in ``levels`` (``LevelGradients``),
+    the piece's slice is taken from there.
     """
 
     @staticmethod
     @returns_owned
-    def forward(ctx: Any, buffer: torch.Tensor, piece: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(ctx: Any, buffer: torch.Tensor, piece: torch.Tensor, start: int,
+                levels: LevelGradients | None = None) -> torch.Tensor:
         ctx.start, ctx.stop, ctx.piece_dtype = start, start + piece.shape[1], piece.dtype
+        ctx.levels = levels
         buffer[:, start:ctx.stop].copy_(piece)
         ctx.mark_dirty(buffer)
         return buffer
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad_piece = grad[:, ctx.start:ctx.stop].to(ctx.piece_dtype, copy=True)
-        return (grad if ctx.needs_input_grad[0] else None), grad_piece, None
+        if ctx.levels is not None and ctx.levels.source is not None:
+            grad_piece = ctx.levels.take(ctx.start, ctx.stop).to(ctx.piece_dtype)
+        else:
+            grad_piece = grad[:, ctx.start:ctx.stop].to(ctx.piece_dtype, copy=True)
+        return (grad if ctx.needs_input_grad[0] else None), grad_piece, None, None
 
 
 def cat_memory_format(pieces: list[torch.Tensor]) -> torch.memory_format:
@@ -68,13 +148,15 @@ def cat_memory_format(pieces: list[torch.Tensor]) -> torch.memory_format:
 
 
 def concat_channels(pieces: list[torch.Tensor | None],
-                    upsample: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    upsample: Callable[[torch.Tensor], torch.Tensor],
+                    levels: LevelGradients | None = None) -> torch.Tensor:
     """``torch.cat([pieces[0], *map(upsample, pieces[1:])], dim=1)`` with only one upsampled
     piece alive at a time: each is upsampled just before it is written, last first (mmseg's
     order), into one buffer of ``pieces[0]``'s spatial size.
 
     ``pieces`` is emptied as it goes (its entries are the only references the caller keeps).
     Dtype, layout and values are ``torch.cat``'s: the buffer has the promoted dtype of all pieces.
+    ``levels``: where the buffer's one reader leaves its input gradient (``LevelGradients``).
     """
     dtype = functools.reduce(torch.promote_types, [p.dtype for p in pieces])
     channels = [p.shape[1] for p in pieces]
@@ -88,7 +170,7 @@ def concat_channels(pieces: list[torch.Tensor | None],
         pieces[i] = None
         if i:
             piece = upsample(piece)
-        buffer = WriteChannels.apply(buffer, piece, starts[i])
+        buffer = WriteChannels.apply(buffer, piece, starts[i], levels)
         del piece
     return buffer
 
@@ -145,19 +227,32 @@ class FusedCodes:
         return dataclasses.replace(self, parts=parts,
                                    shape=torch.Size((stop - start, *self.shape[1:])))
 
+    def upsampled(self, piece: torch.Tensor) -> torch.Tensor:
+        """A decoded level at the concatenation's size, as the forward upsampled it."""
+        if piece.shape[2:] == self.shape[2:]:
+            return piece
+        return resize(piece, size=self.shape[2:], mode='bilinear',
+                      align_corners=self.align_corners)
+
     def restore(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         first = self.parts[0]
         out = torch.empty(self.shape, dtype=torch.float32, device=first.data.device)
         start = 0
         for part in self.parts:
-            piece = unpack(part, torch.float32)
-            if piece.shape[2:] != self.shape[2:]:
-                piece = resize(piece, size=self.shape[2:], mode='bilinear',
-                               align_corners=self.align_corners)
+            piece = self.upsampled(unpack(part, torch.float32))
             out[:, start:start + piece.shape[1]] = piece
             start += piece.shape[1]
             del piece
         return out.to(dtype or self.dtype)
+
+
+def plain_conv_module(module: nn.Module) -> bool:
+    """An mmcv ``ConvModule`` whose forward is the conv, norm, act steps and nothing else: no
+    subclass, hooks, explicit padding or fused eval-mode conv-bn."""
+    return (type(module) is ConvModule and not module.with_explicit_padding
+            and module.efficient_conv_bn_eval_forward is None
+            and not (module._forward_pre_hooks or module._forward_hooks
+                     or module._backward_pre_hooks or module._backward_hooks))
 
 
 def releasing_input(module: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:
@@ -171,10 +266,7 @@ def releasing_input(module: nn.Module, holder: list[torch.Tensor]) -> torch.Tens
     conv-bn) is called as it is.
     """
     x = holder.pop()
-    if not (type(module) is ConvModule and not module.with_explicit_padding
-            and module.efficient_conv_bn_eval_forward is None
-            and not (module._forward_pre_hooks or module._forward_hooks
-                     or module._backward_pre_hooks or module._backward_hooks)):
+    if not plain_conv_module(module):
         return module(x)
     for layer in module.order:
         if layer == 'conv':
@@ -242,8 +334,14 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
         upsample = functools.partial(resize, size=fpn_outs[0].shape[2:], mode='bilinear',
                                      align_corners=self.align_corners)
         parts = self.fpn_out_codes(fpn_outs)
-        fused = [concat_channels(fpn_outs, upsample)]  # the only reference: freed after the conv
+        # the bottleneck conv hands its input gradient out level by level where it is the
+        # buffer's only reader (a plain ConvModule, below) and saves it as the levels' codes
+        levels = LevelGradients(len(fpn_outs)) if parts is not None and plain_conv_module(
+            self.fpn_bottleneck) and self.fpn_bottleneck.conv.groups == 1 else None
+        fused = [concat_channels(fpn_outs, upsample, levels)]  # the only reference: freed
         if parts is not None:
             attach_codes(fused[0], FusedCodes(parts, fused[0].shape, fused[0].dtype,
                                               bool(self.align_corners)))
+        if levels is not None:
+            fused[0]._mesa_levels = levels  # type: ignore[attr-defined]
         return releasing_input(self.fpn_bottleneck, fused)

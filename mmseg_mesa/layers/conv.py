@@ -52,6 +52,9 @@ class MesaConv2dFunction(torch.autograd.Function):
                 quantizer: ActivationQuantizer, explicit_pad: tuple | None = None,
                 pad_mode: str = 'zeros') -> torch.Tensor:
         ctx.explicit_pad = (explicit_pad, pad_mode, x.shape) if explicit_pad else None
+        # The one reader of UPerHead's concatenated FPN outputs hands its input gradient out a
+        # level at a time (integrations.uper_head.LevelGradients) instead of forming it whole.
+        ctx.levels = None if explicit_pad else getattr(x, '_mesa_levels', None)
         if explicit_pad:
             # Reflect/replicate/circular padding: torch's pad would save the unpadded input in
             # full precision, so we pad here and undo it in backward.
@@ -62,6 +65,9 @@ class MesaConv2dFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.levels is not None:
+            return ctx.levels.backward(ctx, grad)
+
         def input_grad(grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, w, grad, *ctx.conv_args)
             return unpad_grad(grad_x, *ctx.explicit_pad) if ctx.explicit_pad else grad_x

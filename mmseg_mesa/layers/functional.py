@@ -76,16 +76,24 @@ class MesaMulFunction(torch.autograd.Function):
         y = torch.mul(a, b)
         keep_b = ctx.needs_input_grad[0]  # d(a*b)/da needs b, and the other way round
         keep_a = ctx.needs_input_grad[1]
-        saved_a = (quant_a.pack(a) if quant_a is not None else a) if keep_a else None
-        saved_b = (quant_b.pack(b) if quant_b is not None else b) if keep_b else None
+        saved_a = (quant_a.pack(feature_map(a)) if quant_a is not None else a) if keep_a else None
+        saved_b = (quant_b.pack(feature_map(b)) if quant_b is not None else b) if keep_b else None
         save(ctx, saved_a, saved_b)
         return y
 
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return (*operand_gradients(ctx, grad, 0, lambda g, b: sum_to(g * b, *ctx.a_meta),
-                                   lambda g, a: sum_to(g * a, *ctx.b_meta)), None, None)
+        a_shape, b_shape = ctx.a_meta[0], ctx.b_meta[0]
+        return (*operand_gradients(
+            ctx, grad, 0, lambda g, b: sum_to(g * b.reshape(b_shape), *ctx.a_meta),
+            lambda g, a: sum_to(g * a.reshape(a_shape), *ctx.b_meta)), None, None)
+
+
+def feature_map(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the 4-d feature map its channels are grouped on: a map with several channel
+    dims (ResNeSt's ``(N, radix, C, H, W)`` splits) has them merged into one."""
+    return t if t.dim() <= 4 else t.reshape(t.shape[0], -1, *t.shape[-2:])
 
 
 def _is_activation(t: Any) -> bool:
@@ -198,7 +206,8 @@ class _Capture(TorchFunctionMode):
         pack = {role: t for role, t in (('a', a), ('b', b)) if not _softmax_output(t)}
         if not pack:
             return None
-        site = self._site('matmul', {role: (_product_group_dim(t), 1) for role, t in pack.items()})
+        site = self._site('matmul', {role: (1 if t.dim() == 4 else -1, 1)
+                                     for role, t in pack.items()})
         if site is None:
             return None
         quantizers = dict(zip(pack, site))
@@ -296,8 +305,9 @@ def _softmax_output(t: torch.Tensor) -> bool:
 
 
 def _product_group_dim(t: torch.Tensor) -> int:
-    """Channels of NCHW feature maps (dim 1), else of token features (last dim)."""
-    return 1 if t.dim() == 4 else -1
+    """Channels of feature maps (dim 1 of ``feature_map(t)``), else of token features (last
+    dim)."""
+    return 1 if t.dim() >= 4 else -1
 
 
 def _called_children(module: nn.Module) -> list[nn.Module]:
