@@ -1,15 +1,12 @@
-"""``tools/benchmark_kernels.py --device cpu``: the CPU kernels timed against a copy and the
-reference (needs the tools directory, so it is not among the core tests run from an install)."""
-import os.path as osp
-import sys
-
+"""``tools/benchmark_kernels.py --device cpu`` (``mmseg_mesa.bench.kernels``): the CPU kernels timed
+against a copy and the reference; the tool refuses to run without a GPU by default (it runs the
+tool, so it is not among the core tests run from an install)."""
 import pytest
 import torch
+from tool_runs import run_tool
 
 from mmseg_mesa import _backend
-
-sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools'))
-import benchmark_kernels  # noqa: E402
+from mmseg_mesa.bench.kernels import bench_activation
 
 KERNELS, _ = _backend.load_extension()
 
@@ -17,8 +14,7 @@ KERNELS, _ = _backend.load_extension()
 @pytest.mark.skipif(KERNELS is None or not KERNELS.CPU_KERNELS,
                     reason='package installed without the CPU kernels')
 def test_every_op_is_timed_and_compared_with_the_reference():
-    rows = benchmark_kernels.bench_activation(KERNELS, 'small', (2, 64, 8), 2, 1,
-                                              torch.float32, 'cpu')
+    rows = bench_activation(KERNELS, 'small', (2, 64, 8), 2, 1, torch.float32, 'cpu')
     assert [row['op'] for row in rows] == ['observe', 'quantize (nearest)',
                                            'quantize (stochastic)', 'dequantize']
     for row in rows:
@@ -27,8 +23,7 @@ def test_every_op_is_timed_and_compared_with_the_reference():
         assert row['speedup_vs_torch'] > 0 and row['gb_per_s'] > 0
 
 
-def test_without_a_gpu_the_default_device_refuses(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
-    monkeypatch.setattr(sys, 'argv', ['benchmark_kernels.py'])
-    assert benchmark_kernels.main() == 2
-    assert 'no CUDA GPU is visible' in capsys.readouterr().err
+def test_without_a_gpu_the_default_device_refuses():
+    result = run_tool('benchmark_kernels', CUDA_VISIBLE_DEVICES='')
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert 'no CUDA GPU is visible' in result.stderr

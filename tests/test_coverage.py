@@ -1,29 +1,20 @@
-"""tools/coverage.py: what Mesa leaves uncompressed, and who holds it; MobileNetV2's acceptance."""
+"""What Mesa leaves uncompressed, and who holds it (``mmseg_mesa.bench.coverage``, the measure of
+tools/coverage.py); MobileNetV2's acceptance."""
 import copy
-import importlib.util
+import json
 import os.path as osp
 
 import pytest
 import torch
 from mmseg_models import batch, build_model, total_loss
+from tool_runs import run_tool
 from torch import nn
 
 from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.bench import coverage
+from mmseg_mesa.bench.models import load_config
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 MOBILENET_V2 = 'mobilenet_v2/mobilenet-v2-d8_deeplabv3plus_4xb4-160k_ade20k-512x512.py'
-
-
-def _load_tool():
-    """tools/coverage.py by path: the name ``coverage`` may be taken by coverage.py."""
-    spec = importlib.util.spec_from_file_location('mesa_coverage_tool',
-                                                  osp.join(ROOT, 'tools', 'coverage.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-coverage = _load_tool()
 
 
 class Exp(nn.Module):
@@ -54,14 +45,21 @@ def test_functional_ops_outside_modules_count_as_left():
 
 
 @pytest.fixture(scope='module')
-def mobilenet_v2():
-    """MobileNetV2 DeepLabV3+ (ReLU6 everywhere), before (without the issue-13 layer types) and
-    after."""
+def mobilenet_v2(tmp_path_factory):
+    """MobileNetV2 DeepLabV3+ (ReLU6 everywhere), before (without the issue-13 layer types, through
+    the library) and after (through ``tools/coverage.py``, with its JSON and printed report)."""
     config = osp.join(osp.dirname(__import__('mmseg').__file__), '.mim', 'configs', MOBILENET_V2)
-    old_layers = ('[linear,conv2d,gelu,softmax,layernorm,matmul,batchnorm,relu,dropout,'
-                  'droppath,attention,loss]')
-    args = [config, '--size', '64', '64', '--batch', '2']
-    return coverage.main(args), coverage.main(args + ['--cfg-options', f'mesa.layers={old_layers}'])
+    old_layers = ['linear', 'conv2d', 'gelu', 'softmax', 'layernorm', 'matmul', 'batchnorm',
+                  'relu', 'dropout', 'droppath', 'attention', 'loss']
+    cfg = load_config(config, {'mesa.layers': old_layers})
+    before = dict(config=config, **coverage.coverage(cfg, (64, 64), 2))
+    out = tmp_path_factory.mktemp('coverage') / 'after.json'
+    result = run_tool('coverage', config, '--size', '64', '64', '--batch', '2', '--top', '5',
+                      '--json', out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    after = json.loads(out.read_text())
+    assert coverage.format_result(after, top=5) in result.stdout
+    return after, before
 
 
 def test_mobilenet_v2_leaves_little_uncompressed(mobilenet_v2):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mmseg_mesa.demo import CLASSES, MesaDemoDataset, write_demo_dataset
+from mmseg_mesa.demo.report import format_table, plot, summary_figure
 
 REPO = osp.dirname(osp.dirname(osp.abspath(__file__)))
 PREFIX = {
@@ -149,12 +150,6 @@ def test_demo_quick_end_to_end(tmp_path):
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
 
-def demo_tool():
-    sys.path.insert(0, osp.join(REPO, 'tools'))
-    import demo
-    return demo
-
-
 def synthetic_summary():
     mib = 2 ** 20
     plans = {name: dict(batches=[4, 8], budget_bytes=2 ** 30, fixed_bytes=47.0 * mib,
@@ -172,7 +167,7 @@ def synthetic_summary():
 
 def test_table_says_what_the_saving_buys():
     summary, _ = synthetic_summary()
-    table = demo_tool().format_table(summary)
+    table = format_table(summary)
     batch_row = next(line for line in table.splitlines() if 'largest batch' in line)
     assert 'largest batch in 1 GiB (planned)' in batch_row
     assert batch_row.split()[-3:] == ['264', '751', f'{751 / 264:.3f}']
@@ -182,9 +177,8 @@ def test_table_says_what_the_saving_buys():
 
 def test_summary_plot_titles_are_whole_and_apart(tmp_path):
     import matplotlib.pyplot as plt
-    demo = demo_tool()
     summary, curves = synthetic_summary()
-    fig = demo.summary_figure(summary, curves)
+    fig = summary_figure(summary, curves)
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     titles = [ax.title.get_window_extent(renderer) for ax in fig.axes]
@@ -195,5 +189,5 @@ def test_summary_plot_titles_are_whole_and_apart(tmp_path):
     for left, right in zip(titles, titles[1:]):
         assert left.x1 < right.x0, 'titles overlap'
     plt.close(fig)
-    demo.plot(summary, curves, str(tmp_path / 'summary.png'))
+    plot(summary, curves, str(tmp_path / 'summary.png'))
     assert (tmp_path / 'summary.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'

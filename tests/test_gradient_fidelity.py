@@ -1,19 +1,30 @@
 """tools/gradient_fidelity.py: Mesa's gradient error on one step, next to minibatch noise."""
+import json
 import os.path as osp
-import sys
 
 import pytest
 import torch
+from tool_runs import run_tool
+
+from mmseg_mesa.bench.fidelity import mesa_config_for
+from mmseg_mesa.bench.models import build_model, load_config
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DEMO = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
-sys.path.insert(0, osp.join(ROOT, 'tools'))
-import gradient_fidelity  # noqa: E402
 
 
-def test_error_is_small_next_to_minibatch_noise_and_averages_out():
-    results = gradient_fidelity.main([DEMO, '--draws', '4', '--batch', '4', '--size', '64', '64',
-                                      '--presets', 'config', 'max-saving'])
+def gradient_fidelity(tmp_path, *args):
+    """The tool's results (its --json), after checking that it ran."""
+    out = tmp_path / 'fidelity.json'
+    result = run_tool('gradient_fidelity', *args, '--json', out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert 'minibatch noise (exact gradients of two batches)' in result.stdout
+    return json.loads(out.read_text())
+
+
+def test_error_is_small_next_to_minibatch_noise_and_averages_out(tmp_path):
+    results = gradient_fidelity(tmp_path, DEMO, '--draws', '4', '--batch', '4', '--size', '64',
+                                '64', '--presets', 'config', 'max-saving')
     noise = results['minibatch_noise']
     rows = results['presets']['config']['rows']
     first, last = rows[0]['relative_error'], rows[-1]['relative_error']
@@ -29,24 +40,21 @@ def test_error_is_small_next_to_minibatch_noise_and_averages_out():
 
 def test_checkpoint_init_weights_and_cfg_options(tmp_path):
     """A checkpoint's weights are what is measured, and --cfg-options reaches the MesaConfig."""
-    from benchmark_memory import build_model, load_config
-
     cfg = load_config(DEMO)
     state = build_model(cfg, 'cpu').state_dict()
     torch.save({'state_dict': state, 'meta': {}}, tmp_path / 'iter_1.pth')
-    results = gradient_fidelity.main([DEMO, '--batch', '2', '--size', '32', '32', '--checkpoint',
-                                      str(tmp_path / 'iter_1.pth'), '--cfg-options',
-                                      'mesa.preset=max-saving', '--json',
-                                      str(tmp_path / 'f.json')])
+    results = gradient_fidelity(tmp_path, DEMO, '--batch', '2', '--size', '32', '32',
+                                '--checkpoint', tmp_path / 'iter_1.pth', '--cfg-options',
+                                'mesa.preset=max-saving')
     assert 'layer_bits' in results['presets']['config']['config']
-    assert (tmp_path / 'f.json').stat().st_size > 0
-    plain = gradient_fidelity.main([DEMO, '--batch', '2', '--size', '32', '32',
-                                    '--no-init-weights'])
+    plain = gradient_fidelity(tmp_path, DEMO, '--batch', '2', '--size', '32', '32',
+                              '--no-init-weights')
     assert plain['init_weights'] is False and plain['minibatch_noise'] > 0
-    with pytest.raises(ValueError, match="unknown preset 'tiny'"):
-        gradient_fidelity.main([DEMO, '--cfg-options', 'mesa.preset=tiny'])
+    with pytest.raises(ValueError, match="unknown preset 'tiny'"):  # what the tool reads first
+        mesa_config_for('config', load_config(DEMO, {'mesa.preset': 'tiny'}))
     state.pop('decode_head.conv_seg.weight')  # the file is really loaded, strictly
     torch.save({'state_dict': state, 'meta': {}}, tmp_path / 'broken.pth')
-    with pytest.raises(RuntimeError, match='conv_seg.weight'):
-        gradient_fidelity.main([DEMO, '--size', '32', '32', '--checkpoint',
-                                str(tmp_path / 'broken.pth')])
+    broken = run_tool('gradient_fidelity', DEMO, '--size', '32', '32', '--checkpoint',
+                      tmp_path / 'broken.pth')
+    assert broken.returncode != 0
+    assert 'RuntimeError' in broken.stderr and 'conv_seg.weight' in broken.stderr

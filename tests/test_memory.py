@@ -1,16 +1,21 @@
-"""The measurement behind every memory figure: bytes saved for backward, exactly."""
+"""The measurement behind every memory figure: bytes saved for backward, exactly.
+
+The ``test_benchmark_memory*`` and ``test_budget_planner*`` tests need mmengine and mmseg
+(``mmseg_mesa.bench``, ``tools/benchmark_memory.py``); the others only the core package."""
+import argparse
 import json
 import os.path as osp
-import sys
 
 import pytest
 import torch
+from tool_runs import run_tool
 from torch import nn
 
 from mmseg_mesa import MesaConfig, MesaConv2d, MesaLinear, convert_to_mesa
 from mmseg_mesa.memory import BatchPlan, count_saved_tensors, format_bytes, parse_bytes
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
+DEMO = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
 
 
 def test_known_sizes_are_counted_exactly():
@@ -66,15 +71,13 @@ def test_hooks_do_not_change_outputs():
 
 
 def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
-    sys.path.insert(0, osp.join(ROOT, 'tools'))
-    import benchmark_memory
     out, png = tmp_path / 'r.json', tmp_path / 'r.png'
-    results = benchmark_memory.main([
-        osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py'), '--modes', 'baseline',
-        'mesa', 'mesa:paper', 'mesa:max-saving', 'amp', 'mesa+amp', '--batch', '2',
-        '--size', '32', '32', '--json', str(out), '--plot', str(png)])
+    result = run_tool('benchmark_memory', DEMO, '--modes', 'baseline', 'mesa', 'mesa:paper',
+                      'mesa:max-saving', 'amp', 'mesa+amp', '--batch', '2', '--size', '32', '32',
+                      '--json', out, '--plot', png)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert 'Saved MiB by module type' in result.stdout  # the table
     saved = json.loads(out.read_text())
-    assert saved == json.loads(json.dumps(results))
     assert set(saved) >= {'config', 'device', 'batch', 'size', 'modes'}
     modes = saved['modes']
     for entry in modes.values():
@@ -99,9 +102,11 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
     assert max_saving['Linear'] > default['Linear']
     assert {k: v for k, v in default.items() if k not in ('LayerNorm', 'Linear')} == {
         k: v for k, v in max_saving.items() if k not in ('LayerNorm', 'Linear')}
-    division = benchmark_memory.main([
-        osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py'), '--modes', 'mesa',
-        '--batch', '2', '--size', '32', '32', '--cfg-options', 'mesa.division=[conv2d,batchnorm]'])
+    result = run_tool('benchmark_memory', DEMO, '--modes', 'mesa', '--batch', '2', '--size', '32',
+                      '32', '--cfg-options', 'mesa.division=[conv2d,batchnorm]', '--json',
+                      tmp_path / 'division.json')
+    assert result.returncode == 0, result.stderr[-4000:]
+    division = json.loads((tmp_path / 'division.json').read_text())
     assert 'division' in division['mesa']
     assert division['modes']['mesa']['saved_bytes'] < modes['mesa']['saved_bytes']
     assert png.stat().st_size > 10_000
@@ -109,36 +114,29 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
 
 @pytest.mark.parametrize('bad', ['mesa:tiny', 'amp:max-saving', 'mesa+amp+amp', 'mesa+fp8',
                                  'baseline+amp', 'mesa:'])
-def test_benchmark_memory_rejects_bad_modes(bad, capsys):
-    sys.path.insert(0, osp.join(ROOT, 'tools'))
-    import benchmark_memory
-    with pytest.raises(SystemExit):
-        benchmark_memory.parse_args(['--modes', bad])
-    assert 'invalid mode' in capsys.readouterr().err
+def test_benchmark_memory_rejects_bad_modes(bad):
+    from mmseg_mesa.bench.memory import parse_mode
+    with pytest.raises(argparse.ArgumentTypeError, match='invalid mode'):
+        parse_mode(bad)
 
 
-def test_benchmark_memory_names_the_renamed_preset(capsys):
-    sys.path.insert(0, osp.join(ROOT, 'tools'))
-    import benchmark_memory
-    with pytest.raises(SystemExit):
-        benchmark_memory.parse_args(['--modes', 'mesa:mesa'])
-    assert "preset 'mesa' was renamed to 'paper'" in capsys.readouterr().err
+def test_benchmark_memory_names_the_renamed_preset():
+    from mmseg_mesa.bench.memory import parse_mode
+    with pytest.raises(argparse.ArgumentTypeError, match="preset 'mesa' was renamed to 'paper'"):
+        parse_mode('mesa:mesa')
 
 
 @pytest.mark.parametrize('argv, message', [
+    (['--modes', 'mesa:mesa'], "preset 'mesa' was renamed to 'paper'"),
     (['--budget', '4GB'], 'is not a size'),
-    (['--budget', '0'], 'must be positive'),
     (['--check'], 'give --budget SIZE'),
     (['--search'], 'give --budget SIZE'),
     (['--budget', '4', '--search', '--device', 'cpu'], 'needs --device cuda'),
     (['--max-batch', '4'], 'unrecognized arguments: --max-batch'),
 ])
-def test_benchmark_memory_budget_flags(argv, message, capsys):
-    sys.path.insert(0, osp.join(ROOT, 'tools'))
-    import benchmark_memory
-    with pytest.raises(SystemExit):
-        benchmark_memory.parse_args(argv)
-    assert message in capsys.readouterr().err
+def test_benchmark_memory_command_line_refuses(argv, message):
+    result = run_tool('benchmark_memory', *argv)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
 
 
 def test_sizes_read_and_print_in_binary_units():
@@ -148,6 +146,8 @@ def test_sizes_read_and_print_in_binary_units():
     for bad in ('4GB', '4 MB', 'GiB', '-1', 'four'):
         with pytest.raises(ValueError, match='not a size'):
             parse_bytes(bad)
+    with pytest.raises(ValueError, match='must be positive'):
+        parse_bytes('0')
     assert format_bytes(2 ** 30) == '1 GiB' and format_bytes(3 * 2 ** 19) == '1.5 MiB'
     assert format_bytes(100) == '100 B'
 
@@ -210,13 +210,15 @@ def test_step_peak_by_category_and_place():
     assert peak.phase in ('backward', 'optimizer') and peak.module in ('', '0', '1', '2')
 
 
-def test_budget_planner_predicts_the_measured_peak(tmp_path):
-    sys.path.insert(0, osp.join(ROOT, 'tools'))
-    import benchmark_memory
-    results = benchmark_memory.main([
-        osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py'), '--modes', 'mesa',
-        '--batch', '2', '--size', '32', '32', '--budget', '51.2MiB', '--check'])
-    plan = results['plans']['mesa']
+def test_budget_planner_predicts_the_measured_peak():
+    from mmseg_mesa.bench.memory import plan_batches
+    from mmseg_mesa.bench.models import build_model, load_config
+    cfg = load_config(DEMO)
+    budget = parse_bytes('51.2MiB')
+    mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
+    plans = plan_batches(build_model(cfg, 'cpu'), cfg, ['mesa'], mesa_config, 2, (32, 32), 'cpu',
+                         budget, check=True, search=False)
+    plan = plans['mesa']
     assert plan['batches'] == [2, 4]
     assert plan['max_batch'] > 4  # a real extrapolation, beyond the two measured batches
     assert abs(plan['error']) < 0.10, plan

@@ -1,22 +1,18 @@
 """One training step of mmseg's own models: Mesa's whole gradient against the exact one.
 
 The figures of docs/benchmarks.md ("Gradient fidelity") come from tools/gradient_fidelity.py,
-which these tests share their measurement with. Plain ViTs are the hard case: their class token
-and position embeddings start at zero (or std 0.02), so tokens of tiny spread pass through every
-LayerNorm; a LayerNorm backward that recomputes the statistics from quantized inputs made the
-``pos_embed`` gradient's cosine 0.83 at 256x256.
+whose measurement (``mmseg_mesa.bench.fidelity``) these tests share. Plain ViTs are the hard
+case: their class token and position embeddings start at zero (or std 0.02), so tokens of tiny
+spread pass through every LayerNorm; a LayerNorm backward that recomputes the statistics from
+quantized inputs made the ``pos_embed`` gradient's cosine 0.83 at 256x256.
 """
 import copy
-import os.path as osp
-import sys
 
 import pytest
 from mmseg_models import DEIT_S, SWIN_T, VIT_B_MLN, batch, build_model
 
 from mmseg_mesa import MesaConfig, convert_to_mesa
-
-sys.path.insert(0, osp.join(osp.dirname(osp.dirname(osp.abspath(__file__))), 'tools'))
-from gradient_fidelity import cosines, gradients, relative_error  # noqa: E402
+from mmseg_mesa.bench.fidelity import cosines, gradients, relative_error
 
 # preset -> (largest whole-gradient relative error, smallest pos_embed cosine)
 LIMITS = {'default': (0.01, 0.999), 'max-saving': (0.10, 0.99)}

@@ -7,20 +7,15 @@ over the parameters whose exact gradient is >= 1e-3 of the largest), and every m
 handles appears converted in one of these models (its forward wrapped, not rewritten).
 """
 import copy
-import os.path as osp
-import sys
 
 import pytest
 import torch
 from mmseg_models import batch, build_model, total_loss
-from test_coverage import coverage as coverage_tool  # tools/coverage.py, loaded by path
 
 from mmseg_mesa import convert_to_mesa
+from mmseg_mesa.bench.coverage import split_saved, training_forward
+from mmseg_mesa.bench.fidelity import relative_error, worst_cosine
 from mmseg_mesa.integrations.handlers import functional_types
-
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, osp.join(ROOT, 'tools'))
-from gradient_fidelity import relative_error, worst_cosine  # noqa: E402
 
 SMALL_VIT = {'model.backbone.img_size': (64, 64)}
 # name -> (config, options, size, largest uncompressed share or None)
@@ -97,9 +92,8 @@ def test_losses_bit_identical_gradients_close_nothing_large_left(name):
     assert relative_error(grads, exact) <= 0.02
     assert worst_cosine(grads, exact) >= 0.99
     if max_left is not None:
-        tool = coverage_tool
-        base = tool.split_saved(reference, tool.training_forward(reference, data))
-        mesa = tool.split_saved(model, tool.training_forward(model, data))
+        base = split_saved(reference, training_forward(reference, data))
+        mesa = split_saved(model, training_forward(model, data))
         assert mesa['left_bytes'] <= max_left * base['saved_bytes'], mesa['left_by_module']
 
 

@@ -4,7 +4,7 @@
         [--size 64 64] [--device cpu|cuda] [--iters 7] [--warmup 2] [--json PATH]
         [--profile MODE] [--cfg-options KEY=VALUE ...]
 
-Every mode's model is built from the same weights (tools/benchmark_memory.py's builders and
+Every mode's model is built from the same weights (``mmseg_mesa.bench``'s builders and
 modes) and takes one training step (forward, backward, the config's optimizer step) in turn,
 ``--iters`` rounds after ``--warmup`` rounds, so that a slow spell of a shared machine falls on
 every mode alike. Prints the median step time per mode and its ratio to ``baseline``: the
@@ -18,22 +18,26 @@ from ``PYTHONPATH``), so the same command measures another checkout.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import os.path as osp
-import statistics
-import sys
-import time
 
 import torch
 
+from mmseg_mesa.bench.memory import build_optimizer, prepare
+from mmseg_mesa.bench.models import (
+    add_cfg_options,
+    build_model,
+    input_size,
+    load_config,
+    make_batch,
+    write_json,
+)
+from mmseg_mesa.bench.speed import interleaved_times, profile_step, step_times
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, osp.join(ROOT, 'tools'))
 DEMO_CONFIG = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from benchmark_memory import add_cfg_options
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('config', nargs='?', default=DEMO_CONFIG)
     parser.add_argument('--modes', nargs='+', default=['baseline', 'mesa'])
@@ -49,32 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def profile_step(model: torch.nn.Module, batch: tuple, mode: str, device: str,
-                 rows: int = 15) -> str:
-    """torch.profiler's table of one forward + backward step, by self time."""
-    from benchmark_memory import forward_loss
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == 'cuda' else [])
-    with profile(activities=activities) as prof:
-        forward_loss(model, batch, mode, device).backward()
-    model.zero_grad(set_to_none=True)
-    key = 'self_cuda_time_total' if device == 'cuda' else 'self_cpu_time_total'
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from benchmark_memory import (
-        build_model,
-        build_optimizer,
-        input_size,
-        load_config,
-        make_batch,
-        prepare,
-        run_step,
-        synchronize,
-    )
-
     from mmseg_mesa import MesaConfig
     cfg = load_config(args.config, args.cfg_options)
     mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
@@ -83,26 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
     batch = make_batch(cfg, args.batch, size, args.device)
     models = {mode: prepare(base, mode, mesa_config) for mode in args.modes}
     optimizers = {mode: build_optimizer(model, cfg) for mode, model in models.items()}
-    times: dict[str, list[float]] = {mode: [] for mode in args.modes}
-    for round_ in range(args.warmup + args.iters):
-        for mode, model in models.items():
-            synchronize(args.device)
-            start = time.perf_counter()
-            run_step(model, batch, mode, args.device, optimizers[mode])
-            synchronize(args.device)
-            if round_ >= args.warmup:
-                times[mode].append(time.perf_counter() - start)
-    medians = {mode: statistics.median(t) for mode, t in times.items()}
-    baseline = medians.get('baseline')
-    paired = {mode: statistics.median(t / b for t, b in zip(times[mode], times['baseline']))
-              for mode in args.modes} if baseline else {}
+    times = interleaved_times(models, optimizers, batch, args.device, args.warmup, args.iters)
     results = dict(config=osp.relpath(args.config, ROOT), device=args.device, batch=args.batch,
                    size=list(size), iters=args.iters, warmup=args.warmup,
-                   threads=torch.get_num_threads(), torch=torch.__version__, modes={
-                       mode: dict(step_time_s=medians[mode], times_s=times[mode],
-                                  ratio=paired.get(mode),
-                                  ratio_of_medians=medians[mode] / baseline if baseline else None)
-                       for mode in args.modes})
+                   threads=torch.get_num_threads(), torch=torch.__version__,
+                   modes=step_times(times))
     print(f'{results["config"]}: batch {args.batch}, {size[0]}x{size[1]}, {args.device}, '
           f'{torch.get_num_threads()} threads, median of {args.iters} steps')
     for mode, entry in results['modes'].items():
@@ -110,10 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f'  {mode:<24} {entry["step_time_s"] * 1e3:9.1f} ms  {ratio}')
     if args.profile:
         print(profile_step(models[args.profile], batch, args.profile, args.device))
-    if args.json:
-        os.makedirs(osp.dirname(osp.abspath(args.json)), exist_ok=True)
-        with open(args.json, 'w') as f:
-            json.dump(results, f, indent=2)
+    write_json(results, args.json)
     return results
 
 

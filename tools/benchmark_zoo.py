@@ -11,10 +11,11 @@ conversion on the same random batch (``--size`` square, ``--batch`` images) and 
 - the outcome: ``ok``, or the stage that failed and its error;
 - whether every loss of the converted forward is bit-identical to the unconverted one's;
 - saved bytes (``count_saved_tensors``) against the baseline's, and the share of the baseline's
-  that Mesa leaves uncompressed, with the modules holding most of it (``tools/coverage.py``);
+  that Mesa leaves uncompressed, with the modules holding most of it
+  (``mmseg_mesa.bench.coverage``);
 - the whole-gradient relative error, its ratio to the minibatch noise of the same batch size,
   and the worst cosine over parameters whose exact gradient is >= 1e-3 of the largest
-  (``tools/gradient_fidelity.py``).
+  (``mmseg_mesa.bench.fidelity``).
 
 Families that cannot be built here are listed with the reason (``SKIPPED``). Each config runs in
 a process of its own (``--one``), so one that fails or runs out of memory ends only its row.
@@ -37,9 +38,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, osp.join(ROOT, 'tools'))
 
 # family -> its representative config in mmseg's configs/
 CONFIGS = {
@@ -121,7 +119,7 @@ def families() -> list[str]:
 
 def step(model: torch.nn.Module, batch: tuple) -> tuple[dict, dict]:
     """The detached losses and the parameter gradients of one training step."""
-    from benchmark_memory import loss_of
+    from mmseg_mesa.bench.models import loss_of
     model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)  # the same drop-path / dropout draws in both models
@@ -145,11 +143,10 @@ def same_losses(a: dict, b: dict) -> bool:
 def measure(path: str, size: int, batch_size: int, result: dict) -> dict:
     """One config: the baseline and the default Mesa conversion on one batch (see the
     module docstring), filling ``result`` (its ``stage`` says how far it got)."""
-    from benchmark_memory import build_model, load_config, make_batch
-    from coverage import module_types, split_saved, training_forward
-    from gradient_fidelity import relative_error, split, worst_cosine
-
     from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa.bench.coverage import module_types, split_saved, training_forward
+    from mmseg_mesa.bench.fidelity import relative_error, split, worst_cosine
+    from mmseg_mesa.bench.models import build_model, load_config, make_batch
     result['stage'] = 'config'
     cfg = load_config(path)
     if 'img_size' in cfg.model.get('backbone', {}):  # ViTs' position embeddings, BEiT's tables

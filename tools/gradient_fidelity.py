@@ -23,102 +23,22 @@ mmseg config); ``--cfg-options mesa.KEY=VALUE`` changes it.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os.path as osp
-import sys
-from typing import Any
 
 import torch
 
-ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-sys.path.insert(0, osp.join(ROOT, 'tools'))
-
-from benchmark_memory import (  # noqa: E402
-    add_cfg_options,
-    build_model,
-    input_size,
-    load_config,
-    loss_of,
-    make_batch,
-    write_json,
+from mmseg_mesa.bench.fidelity import (
+    build_reference,
+    gradients,
+    measure,
+    mesa_config_for,
+    relative_error,
+    split,
 )
+from mmseg_mesa.bench.models import add_cfg_options, input_size, load_config, make_batch, write_json
 
-Gradients = dict[str, torch.Tensor]
-SIGNIFICANT = 1e-3  # parameters below this fraction of the largest gradient norm are not ranked
-
-
-def gradients(model: torch.nn.Module, batch: tuple) -> Gradients:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)  # the same drop-path / dropout masks in every run
-    loss_of(model(*batch, mode='loss')).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def relative_error(got: Gradients, exact: Gradients) -> float:
-    """``||got - exact|| / ||exact||`` over the whole gradient vector (a missing entry is 0)."""
-    error = sum((got[n] - g if n in got else g).double().pow(2).sum() for n, g in exact.items())
-    return float((error / sum(g.double().pow(2).sum() for g in exact.values())).sqrt())
-
-
-def cosines(got: Gradients, exact: Gradients) -> dict[str, float]:
-    """Cosine per parameter whose exact gradient is at least ``SIGNIFICANT`` of the largest."""
-    largest = max(g.norm() for g in exact.values())
-    return {n: torch.nn.functional.cosine_similarity(got[n].flatten().double(),
-                                                     g.flatten().double(), dim=0).item()
-            for n, g in exact.items() if g.norm() >= SIGNIFICANT * largest}
-
-
-def worst_cosine(got: Gradients, exact: Gradients) -> float:
-    return min(cosines(got, exact).values())
-
-
-def build_reference(cfg: Any, init_weights: bool) -> torch.nn.Module:
-    """The config's model on CPU in training mode; ``init_weights=False`` keeps the modules'
-    construction-time values (zero position embeddings and class tokens in mmseg's ViTs)."""
-    if init_weights:
-        return build_model(cfg, 'cpu')
-    from mmengine.model import revert_sync_batchnorm
-    from mmseg.registry import MODELS
-    from mmseg.utils import register_all_modules
-    register_all_modules()
-    torch.manual_seed(0)
-    return revert_sync_batchnorm(MODELS.build(cfg.model)).train()
-
-
-def split(batch: tuple, n: int) -> tuple[tuple, tuple]:
-    inputs, samples = batch
-    return (inputs[:n], samples[:n]), (inputs[n:], samples[n:])
-
-
-def mesa_config_for(name: str, cfg: Any) -> Any:
-    from mmseg_mesa import MesaConfig
-    if name == 'config':
-        return MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
-    return MesaConfig.preset(name)
-
-
-def measure(reference: torch.nn.Module, batch: tuple, exact: Gradients, config: Any,
-            draws: int) -> dict:
-    """Mesa's error on ``batch`` for one MesaConfig, after each of ``draws`` steps (averaged)."""
-    from mmseg_mesa import convert_to_mesa
-    model = copy.deepcopy(reference)
-    convert_to_mesa(model, config=config)
-    total: Gradients | None = None
-    rows = []
-    for draw in range(1, draws + 1):
-        grads = gradients(model, batch)
-        total = grads if total is None else {n: total[n] + grads[n] for n in grads}
-        mean = {n: g / draw for n, g in total.items()}
-        per_param = cosines(mean, exact)
-        worst = min(per_param, key=per_param.get)
-        rows.append(dict(draws=draw, relative_error=relative_error(mean, exact),
-                         worst_cosine=per_param[worst], worst_parameter=worst,
-                         cosines=per_param))
-    return dict(config=str(config), rows=rows)
+ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -142,7 +62,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    sys.path.insert(0, ROOT)
     cfg = load_config(args.config, args.cfg_options)
     configs = {name: mesa_config_for(name, cfg) for name in args.presets}  # bad values fail here
     size = input_size(args.size, cfg)

@@ -1,0 +1,87 @@
+"""Mesa's parameter gradients next to the exact ones on one training step.
+
+The measures (``relative_error`` of the whole gradient vector, per-parameter ``cosines``) and
+the steps they compare: the exact gradient of a reference model and, per MesaConfig, the mean
+Mesa gradient over stochastic-rounding draws. ``tools/gradient_fidelity.py`` is the command line
+over them, with the minibatch noise as the yardstick; the ViT and zoo tests use the same
+measures.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from .models import build_model, build_segmentor, loss_of
+
+Gradients = dict[str, torch.Tensor]
+SIGNIFICANT = 1e-3  # parameters below this fraction of the largest gradient norm are not ranked
+
+
+def gradients(model: torch.nn.Module, batch: tuple) -> Gradients:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # the same drop-path / dropout masks in every run
+    loss_of(model(*batch, mode='loss')).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def relative_error(got: Gradients, exact: Gradients) -> float:
+    """``||got - exact|| / ||exact||`` over the whole gradient vector (a missing entry is 0)."""
+    error = sum((got[n] - g if n in got else g).double().pow(2).sum() for n, g in exact.items())
+    return float((error / sum(g.double().pow(2).sum() for g in exact.values())).sqrt())
+
+
+def cosines(got: Gradients, exact: Gradients) -> dict[str, float]:
+    """Cosine per parameter whose exact gradient is at least ``SIGNIFICANT`` of the largest."""
+    largest = max(g.norm() for g in exact.values())
+    return {n: torch.nn.functional.cosine_similarity(got[n].flatten().double(),
+                                                     g.flatten().double(), dim=0).item()
+            for n, g in exact.items() if g.norm() >= SIGNIFICANT * largest}
+
+
+def worst_cosine(got: Gradients, exact: Gradients) -> float:
+    return min(cosines(got, exact).values())
+
+
+def build_reference(cfg: Any, init_weights: bool) -> torch.nn.Module:
+    """The config's model on CPU in training mode; ``init_weights=False`` keeps the modules'
+    construction-time values (zero position embeddings and class tokens in mmseg's ViTs)."""
+    if init_weights:
+        return build_model(cfg, 'cpu')
+    return build_segmentor(cfg, init_weights=False).train()
+
+
+def split(batch: tuple, n: int) -> tuple[tuple, tuple]:
+    inputs, samples = batch
+    return (inputs[:n], samples[:n]), (inputs[n:], samples[n:])
+
+
+def mesa_config_for(name: str, cfg: Any) -> Any:
+    from mmseg_mesa import MesaConfig
+    if name == 'config':
+        return MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
+    return MesaConfig.preset(name)
+
+
+def measure(reference: torch.nn.Module, batch: tuple, exact: Gradients, config: Any,
+            draws: int) -> dict:
+    """Mesa's error on ``batch`` for one MesaConfig, after each of ``draws`` steps (averaged)."""
+    from mmseg_mesa import convert_to_mesa
+    model = copy.deepcopy(reference)
+    convert_to_mesa(model, config=config)
+    total: Gradients | None = None
+    rows = []
+    for draw in range(1, draws + 1):
+        grads = gradients(model, batch)
+        total = grads if total is None else {n: total[n] + grads[n] for n in grads}
+        mean = {n: g / draw for n, g in total.items()}
+        per_param = cosines(mean, exact)
+        worst = min(per_param, key=per_param.get)
+        rows.append(dict(draws=draw, relative_error=relative_error(mean, exact),
+                         worst_cosine=per_param[worst], worst_parameter=worst,
+                         cosines=per_param))
+    return dict(config=str(config), rows=rows)

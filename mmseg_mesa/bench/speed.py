@@ -1,0 +1,56 @@
+"""Training-step time per mode, the modes interleaved round by round.
+
+Each round times one training step of every mode in turn (``memory.run_step``: forward,
+backward, the optimizer step), so that a slow spell of a shared machine falls on every mode
+alike; a mode's ratio to ``baseline`` is the median over rounds of the ratio within a round.
+``tools/benchmark_speed.py`` is the command line over it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .memory import forward_loss, run_step, synchronize
+
+
+def interleaved_times(models: dict[str, torch.nn.Module],
+                      optimizers: dict[str, torch.optim.Optimizer], batch: tuple, device: str,
+                      warmup: int, iters: int) -> dict[str, list[float]]:
+    """Per mode, the times of ``iters`` training steps, after ``warmup`` untimed rounds."""
+    times: dict[str, list[float]] = {mode: [] for mode in models}
+    for round_ in range(warmup + iters):
+        for mode, model in models.items():
+            synchronize(device)
+            start = time.perf_counter()
+            run_step(model, batch, mode, device, optimizers[mode])
+            synchronize(device)
+            if round_ >= warmup:
+                times[mode].append(time.perf_counter() - start)
+    return times
+
+
+def step_times(times: dict[str, list[float]]) -> dict[str, dict]:
+    """Per mode: the median step time, the times, ``ratio`` (the median over rounds of the
+    mode's time over the baseline's in the same round) and ``ratio_of_medians``; the ratios are
+    None without a ``baseline`` mode."""
+    medians = {mode: statistics.median(t) for mode, t in times.items()}
+    baseline = medians.get('baseline')
+    paired = {mode: statistics.median(t / b for t, b in zip(times[mode], times['baseline']))
+              for mode in times} if baseline else {}
+    return {mode: dict(step_time_s=medians[mode], times_s=times[mode], ratio=paired.get(mode),
+                       ratio_of_medians=medians[mode] / baseline if baseline else None)
+            for mode in times}
+
+
+def profile_step(model: torch.nn.Module, batch: tuple, mode: str, device: str,
+                 rows: int = 15) -> str:
+    """torch.profiler's table of one forward + backward step, by self time."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == 'cuda' else [])
+    with profile(activities=activities) as prof:
+        forward_loss(model, batch, mode, device).backward()
+    model.zero_grad(set_to_none=True)
+    key = 'self_cuda_time_total' if device == 'cuda' else 'self_cpu_time_total'
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
