@@ -23,6 +23,7 @@ mmseg config); ``--cfg-options mesa.KEY=VALUE`` changes it.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os.path as osp
 
@@ -72,8 +73,10 @@ def main(argv: list[str] | None = None) -> dict:
         state = torch.load(args.checkpoint, map_location='cpu')
         reference.load_state_dict(state.get('state_dict', state))
     batch, other = split(make_batch(cfg, 2 * args.batch, size, 'cpu'), args.batch)
-    exact = gradients(reference, batch)
-    noise = relative_error(gradients(reference, other), exact)
+    # every step from the same state: a training forward may update state it reads (EMANet's
+    # bases), so each one runs on a copy
+    exact = gradients(copy.deepcopy(reference), batch)
+    noise = relative_error(gradients(copy.deepcopy(reference), other), exact)
     results = dict(config=osp.relpath(osp.abspath(args.config), ROOT), size=list(size),
                    batch=args.batch, init_weights=args.init_weights,
                    checkpoint=args.checkpoint, minibatch_noise=noise, presets={})
