@@ -78,6 +78,9 @@ def test_mobilenet_v2_leaves_little_uncompressed(mobilenet_v2):
     assert after['saved_ratio'] < before['saved_ratio']
     text = coverage.format_result(after, top=5)
     assert 'left uncompressed: ' in text and 'Dropout2d' in text  # what is left, by name
+    # the reuse of one layer's codes by the next, per layer type: nothing packed twice here
+    assert 'Conv2d: ' in after['reuse'] and 'packed again (' not in after['reuse']
+    assert after['reuse'].splitlines()[0] in text
 
 
 def test_mobilenet_v2_converted_losses_exact_gradients_close():

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..reuse import count_reuse
 from .models import build_model, make_batch
 
 FUNCTIONAL = '<functional>'
@@ -115,7 +116,8 @@ def coverage(cfg: Any, size: tuple[int, int], batch_size: int) -> dict:
     model = copy.deepcopy(base)
     del base
     report = convert_to_mesa(model, config=config)
-    mesa = split_saved(model, training_forward(model, batch))
+    with count_reuse(model) as reuse:
+        mesa = split_saved(model, training_forward(model, batch))
     types = module_types(model)
     total = baseline['saved_bytes']
     by_type: Counter = Counter()
@@ -139,7 +141,8 @@ def coverage(cfg: Any, size: tuple[int, int], batch_size: int) -> dict:
         mesa_float_by_type=[dict(type=t, bytes=b, share=b / total)
                             for t, b in sorted(float_by_type.items(), key=lambda kv: -kv[1])],
         unconverted=[dict(type=t, reason=r, count=c)
-                     for (t, r), c in sorted(report.left_by_reason().items())])
+                     for (t, r), c in sorted(report.left_by_reason().items())],
+        reuse=reuse.summary())
 
 
 def format_result(result: dict, top: int) -> str:
@@ -164,6 +167,10 @@ def format_result(result: dict, top: int) -> str:
     lines += ['', 'Kept by Mesa as floating point, by module type:']
     for row in result['mesa_float_by_type'][:top]:
         lines.append(f"  {row['share']:7.3f}  {row['bytes'] / mb:9.2f} MB  {row['type']}")
+    if result.get('reuse'):
+        lines += ['', 'Saves of another layer\'s codes, by layer type (reused / packed again, '
+                  'with the reason / nothing on offer):']
+        lines += [f'  {line}' for line in result['reuse'].splitlines()]
     if result['unconverted']:
         lines += ['', 'Left unconverted (leaf modules):']
         lines += [f"  {row['count']:5d} x {row['type']}: {row['reason']}"
