@@ -76,7 +76,8 @@ def test_eval_outputs_are_identical(model_pair):
 
 
 def test_swin_t_upernet_saved_bytes_at_512():
-    """Issue acceptance: Swin-T UPerNet, 512x512, batch 2, fp32: Mesa <= 0.45 x baseline."""
+    """Swin-T UPerNet, 512x512, batch 2, fp32: Mesa saves at most 0.20x of the baseline's bytes
+    (measured 0.127x, docs/benchmarks.md)."""
     reference = build_model(SWIN_T)
     model = copy.deepcopy(reference)
     convert_to_mesa(model)
@@ -86,7 +87,7 @@ def test_swin_t_upernet_saved_bytes_at_512():
     with count_saved_tensors(model) as mesa:
         model(inputs, samples, mode='loss')
     ratio = mesa.total_bytes / base.total_bytes
-    assert ratio <= 0.45, (ratio, mesa.by_type)
+    assert ratio <= 0.20, (ratio, mesa.by_type)
     # the losses' full-resolution log-softmax (a fifth of the baseline) is not kept at all ...
     assert base.by_type['CrossEntropyLoss'] > 0.15 * base.total_bytes
     assert mesa.by_type['CrossEntropyLoss'] == 0
