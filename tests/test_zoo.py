@@ -55,6 +55,8 @@ ZOO = {
                       0.03),
     'bisenetv2': ('bisenetv2/bisenetv2_fcn_4xb4-160k_cityscapes-1024x1024.py', None, 128, 0.03),
     'ccnet-r50': ('ccnet/ccnet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 64, 0.03),
+    # its self-attention matmuls' right operands grouped by column
+    'isanet-r50': ('isanet/isanet_r50-d8_4xb4-80k_ade20k-512x512.py', None, 128, 0.03),
     'resnest-s50': ('resnest/resnest_s101-d8_fcn_4xb4-160k_ade20k-512x512.py',
                     {'model.backbone.depth': 50}, 128, 0.03),
     'pointrend-r50': ('point_rend/pointrend_r50_4xb4-160k_ade20k-512x512.py', None, 128, 0.03),

@@ -166,7 +166,10 @@ class _Capture(TorchFunctionMode):
             a, b = args
             if _is_activation(a) and _is_activation(b) and a.dim() >= 2 and b.dim() >= 2 \
                     and (a.requires_grad or b.requires_grad):
-                site = self._site('matmul', {'a': (1, 1), 'b': (1, 1)})
+                # the right operand by its columns: output column j reads only b[..., j], so
+                # each gets its own range (key tokens of q @ k, channels of attn @ v); the left
+                # by dim 1 (its rows or heads, as a softmax before it groups what it offers)
+                site = self._site('matmul', {'a': (1, 1), 'b': (-1, 1)})
                 if site is not None:
                     return MesaMatMulFunction.apply(a, b, *site)
         elif func in _SOFTMAXES:
