@@ -13,7 +13,8 @@ import pytest
 import torch
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
-# The device returns at most 8 files, named in letters, digits, '.', '_' and '-'.
+# Result files are named in letters, digits, ".", "_" and "-" (a device that returns files
+# by name may refuse others).
 RETURNABLE = re.compile(r'^[A-Za-z0-9._-]+$')
 
 
@@ -122,3 +123,19 @@ def test_budget_guard_skips_steps_and_still_writes_the_summary(tmp_path):
 def test_work_folder_inside_out_is_refused(tmp_path):
     proc = gpu_check(tmp_path / 'out', tmp_path / 'out' / 'work', timeout=60)
     assert proc.returncode == 2 and '--work must not be inside --out' in proc.stderr
+
+
+def test_machine_limits_are_options_with_workstation_defaults(tmp_path, monkeypatch):
+    """Time, file size, CUDA architectures and build jobs are options; by default a run gets 30
+    minutes, no file limit, torch's choice of architectures (the visible GPUs') and every core."""
+    import runpy
+    monkeypatch.syspath_prepend(osp.join(ROOT, 'tools'))  # its package, as when run as a script
+    parse_args = runpy.run_path(osp.join(ROOT, 'tools', 'gpu_check.py'),
+                                run_name='gpu_check_options')['parse_args']
+    default = parse_args(['--out', str(tmp_path / 'out')])
+    assert (default.budget, default.file_limit_mib, default.cuda_arch) == (1800.0, None, None)
+    assert default.build_jobs == (os.cpu_count() or 1)
+    tight = parse_args(['--out', str(tmp_path / 'out'), '--budget', '510', '--file-limit-mib',
+                        '16', '--cuda-arch', '9.0', '--build-jobs', '4'])
+    assert (tight.budget, tight.file_limit_mib, tight.cuda_arch, tight.build_jobs) == (
+        510.0, 16.0, '9.0', 4)

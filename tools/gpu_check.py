@@ -1,7 +1,8 @@
 """The GPU run in one command: install what a bare GPU machine lacks, build the CUDA extension,
 test it, measure it, and leave every result under OUT as it goes.
 
-    bash tools/gpu_check.sh                          # on the lent GPU machine (OUT=$OUT)
+    bash tools/gpu_check.sh --out DIR                # on a GPU machine (or OUT=DIR)
+    bash tools/gpu_check.sh --budget 510 --file-limit-mib 16 --cuda-arch 9.0   # a tighter one
     bash tools/gpu_check.sh --dry-run --out DIR      # here, on CPU, with .venv (the test runs it)
 
 Steps, in order of value; each has its own timeout and all end within ``--budget`` seconds:
@@ -15,8 +16,8 @@ Steps, in order of value; each has its own timeout and all end within ``--budget
                       mmcv op). --mmcv-build-s N builds the CPU ops in the background instead
                       (GPU hidden: CUDA ops would take far longer), with the stand-in if that
                       fails or takes longer than N seconds
-  build_ext           mmseg_mesa._C (CPU kernels and CUDA for sm_90;
-                      ``pip install --no-build-isolation -e .``)
+  build_ext           mmseg_mesa._C (CPU kernels and CUDA for the visible GPUs, or
+                      --cuda-arch; ``pip install --no-build-isolation -e .``)
   tests               tests/test_extension.py: kernel == reference bit for bit (CPU and CUDA
                       kernels), CUDA-kernel codes == CPU-kernel codes under both roundings
                       (summary.json's `cpu_cuda_codes`), DIVISION through the CUDA quantizer;
@@ -34,12 +35,12 @@ Steps, in order of value; each has its own timeout and all end within ``--budget
   memory_presets_bN   the other presets in fp32 and AMP at both batches (into memory.json)
 
 summary.json is rewritten at every step's start and end, gpu_check.log gets every line as it
-comes, so a run killed at its limit still leaves what it did. At most 8 files come back from the
-GPU machine: these 7 and the mmcv wheel when one was built there (carry it next time: put it in
-.gpu-wheels/).
+comes, so a run killed at its limit still leaves what it did. OUT gets these 7 files and the
+mmcv wheel when one was built there (carry it next time: put it in .gpu-wheels/; --file-limit-mib
+leaves out a larger one, for a machine that returns only small files).
 
-The code is the package gpu_check/ beside this file: settings.py holds what is specific to the
-machine (paths, versions, cores, limits, timeouts) and the sizes of both runs.
+The code is the package gpu_check/ beside this file: settings.py holds the defaults (paths,
+versions, cores, limits, timeouts) and the sizes of both runs.
 
 The dry run is the same code on CPU with tiny sizes. It installs and builds nothing (the .venv
 has it all and is shared), runs three tests of test_extension.py (their CPU cases run, their
@@ -59,7 +60,7 @@ from pathlib import Path
 
 from gpu_check.probes import load_check, report_env  # the package beside this file
 from gpu_check.runner import Check
-from gpu_check.settings import DRY_BUDGET_S, GPU_BUDGET_S, GPU_WORK
+from gpu_check.settings import DRY_BUDGET_S, FILE_LIMIT_MIB, GPU_BUDGET_S, GPU_WORK
 from gpu_check.steps import run_steps
 
 
@@ -71,12 +72,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='where results go (default: $OUT)')
     parser.add_argument('--work', default=None,
                         help=f'scratch folder (default: {GPU_WORK}, or OUT/../gpu_check_work '
-                             'in a dry run); never inside OUT: only 8 files come back')
+                             'in a dry run); never inside OUT, which holds only the results')
     parser.add_argument('--budget', type=float, default=None,
                         help=f'seconds for the whole run (default: {GPU_BUDGET_S:g} on the GPU '
                              f'machine, {DRY_BUDGET_S:g} in a dry run: its steps are short, '
                              'unless the CPU is shared)')
     parser.add_argument('--wheels', default='.gpu-wheels', help='carried wheels and sdists')
+    parser.add_argument('--cuda-arch', default=None, metavar='X.Y[;X.Y]',
+                        help="TORCH_CUDA_ARCH_LIST of the extension's build (default: the "
+                             "visible GPUs', torch's own choice)")
+    parser.add_argument('--build-jobs', type=int, default=os.cpu_count() or 1,
+                        help="MAX_JOBS of the extension's build (default: every core)")
+    parser.add_argument('--file-limit-mib', type=float, default=FILE_LIMIT_MIB,
+                        help='the largest file copied into OUT besides the results (a built '
+                             'mmcv wheel; default: no limit), for a machine that returns only '
+                             'small files')
     parser.add_argument('--python', default=sys.executable,
                         help='the Python every step runs (default: this one)')
     parser.add_argument('--only', type=lambda v: v.split(','), default=None,
@@ -105,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      if args.dry_run else GPU_WORK)
     out, work = Path(args.out).resolve(), Path(args.work).resolve()
     if work == out or out in work.parents:
-        parser.error('--work must not be inside --out (only 8 files come back from OUT)')
+        parser.error('--work must not be inside --out (OUT holds only the results)')
     return args
 
 

@@ -16,7 +16,6 @@ from .settings import (
     MMCV_SDIST,
     MMCV_VERSION,
     PINNING_MIN_CORES,
-    RETURNED_FILE_LIMIT,
 )
 
 # Written as mmcv/_ext.py only when mmcv's ops could not be built: mmcv.ops (which mmseg imports
@@ -102,7 +101,8 @@ def wait_mmcv(check: Check) -> None:
     rc, seconds = proc.wait(min(left, check.remaining() - 60))
     if rc == 0 and check.python_ok('import mmcv.ops')[0]:
         built = sorted((check.work / 'mmcv_build' / 'dist').glob('mmcv-*.whl'))
-        returned = [w for w in built if w.stat().st_size <= RETURNED_FILE_LIMIT]
+        limit = check.args.file_limit_mib
+        returned = [w for w in built if limit is None or w.stat().st_size <= limit * 2 ** 20]
         for wheel in returned:  # carry it next time: no build then
             shutil.copy2(wheel, check.out / wheel.name)
         check.finish(name, 'passed', f'built with CPU ops in {seconds} s' +

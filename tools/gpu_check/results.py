@@ -47,7 +47,7 @@ def junit_case_counts(path: Path, name: str) -> dict[str, int] | None:
 
 
 def merge_junit(paths: list[Path], target: Path) -> None:
-    """One tests.xml from every pytest run (the device returns 8 files at most)."""
+    """One tests.xml from every pytest run (one file, however many runs)."""
     root = ET.Element('testsuites')
     for path in paths:
         tree = ET.parse(path).getroot()

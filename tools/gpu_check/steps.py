@@ -18,10 +18,8 @@ from .results import (
 )
 from .runner import Check
 from .settings import (
-    BUILD_JOBS,
     CPU_GENERATOR_TESTS,
     CROSS_DEVICE_TEST,
-    CUDA_ARCH,
     ENTRY,
     KERNEL_OF_COPY_MIN,
     PEAK_RATIO_MAX,
@@ -84,7 +82,8 @@ def step_build_ext(check: Check) -> None:
     rc, seconds, proc = check.run(name, [
         check.python, '-m', 'pip', 'install', '--no-build-isolation', '--no-deps', '--no-index',
         '-v', '-e', '.'], check.timeout_for('build_ext'),
-        TORCH_CUDA_ARCH_LIST=CUDA_ARCH, FORCE_CUDA='1', MAX_JOBS=str(BUILD_JOBS))
+        FORCE_CUDA='1', MAX_JOBS=str(check.args.build_jobs),
+        **({'TORCH_CUDA_ARCH_LIST': check.args.cuda_arch} if check.args.cuda_arch else {}))
     info_rc, _, info = check.run('info', [check.python, '-m', 'mmseg_mesa.info'], 60)
     loadable = info_rc == 0 and 'built and loadable' in info.text
     check.outcome(name, rc, seconds, proc, ok=loadable, info=info.text.splitlines()[-8:],
