@@ -1,9 +1,10 @@
 """The built-in handler table: which torch module becomes which Mesa module.
 
 Importing this module registers the torch handlers; mmcv / mmseg specific ones (Swin attention,
-DropPath, decode heads, functional attention) are added from ``mmseg_mesa.integrations.handlers``
-by ``register_openmmlab_handlers_if_installed`` when those packages are importable. Both go
-through ``registry.register_once``: a re-import or reload registers nothing twice, and
+DropPath, decode heads, functional attention) are added from
+``mmseg_mesa.integrations.mmseg_handlers`` by ``register_openmmlab_handlers_if_installed`` when
+those packages are importable. Both go through ``registry.register_once``: a re-import or reload
+registers nothing twice, and
 ``register_handler`` refuses a second handler for a type. ``convert`` only reads the table
 (``registry``), so neither module imports the other.
 """
@@ -14,20 +15,21 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .config import MesaConfig
-from .layers.activation import MesaGELU, MesaReLU
-from .layers.attention import MesaMultiheadAttention, unsupported_mha_reason
-from .layers.cnn_activations import (
+from .layers.activations import (
     MesaELU,
+    MesaGELU,
     MesaHardsigmoid,
     MesaHardswish,
     MesaHardtanh,
     MesaLeakyReLU,
     MesaPReLU,
+    MesaReLU,
     MesaReLU6,
     MesaSigmoid,
     MesaSiLU,
     MesaTanh,
 )
+from .layers.attention import MesaMultiheadAttention, unsupported_mha_reason
 from .layers.conv import MesaConv1d, MesaConv2d, conv1d_reason
 from .layers.conv_transpose import MesaConvTranspose2d, conv_transpose_reason
 from .layers.dropout import MesaDropout
@@ -111,5 +113,5 @@ def register_openmmlab_handlers_if_installed() -> None:
         import mmseg  # noqa: F401
     except ImportError:
         return
-    from .integrations.handlers import register_openmmlab_handlers
+    from .integrations.mmseg_handlers import register_openmmlab_handlers
     register_once('openmmlab', register_openmmlab_handlers)

@@ -232,7 +232,7 @@ def _converted_step(make, attention_maps):
 def test_mmseg_attention_keeps_no_map_and_its_forward(name):
     report, converted, ((ref, ref_grads, _), (out, grads, saved)) = _converted_step(
         MODULES[name], 'recompute')
-    from mmseg_mesa.layers.functional import MesaFunctional
+    from mmseg_mesa.layers.intercept import MesaFunctional
     assert torch.equal(ref, out)
     assert not isinstance(converted, MesaFunctional)
     pairs = [(a, b) for a, b in zip(ref_grads, grads) if a is not None and a.abs().max() > 0]
@@ -243,7 +243,7 @@ def test_mmseg_attention_keeps_no_map_and_its_forward(name):
 
 @pytest.mark.parametrize('name', ['beit_qv_bias', 'twins_padded'])
 def test_stored_maps_or_an_own_forward_fall_back_to_the_functional_conversion(name):
-    from mmseg_mesa.layers.functional import MesaFunctional
+    from mmseg_mesa.layers.intercept import MesaFunctional
     _, converted, ((ref, _, _), (out, _, _)) = _converted_step(MODULES[name], 'stored')
     assert isinstance(converted, MesaFunctional) and torch.equal(ref, out)
 

@@ -206,7 +206,7 @@ def test_builtin_tables_register_each_type_once(tables):
     tables._ALIASES.clear()
     register_torch_handlers()  # a type registered twice would raise
     if 'openmmlab' in tables._TABLES:
-        from mmseg_mesa.integrations.handlers import register_openmmlab_handlers
+        from mmseg_mesa.integrations.mmseg_handlers import register_openmmlab_handlers
         register_openmmlab_handlers()
     assert (set(tables._HANDLERS), set(tables._ALIASES)) == expected
 

@@ -8,7 +8,7 @@ from conftest import cosine
 from torch import nn
 
 from mmseg_mesa import MesaConfig, MesaModule
-from mmseg_mesa.layers.functional import MesaFunctional
+from mmseg_mesa.layers.intercept import MesaFunctional
 from mmseg_mesa.memory import count_saved_tensors
 
 

@@ -15,7 +15,7 @@ from mmseg_models import batch, build_model, total_loss
 from mmseg_mesa import convert_to_mesa
 from mmseg_mesa.bench.coverage import split_saved, training_forward
 from mmseg_mesa.bench.fidelity import relative_error, worst_cosine
-from mmseg_mesa.integrations.handlers import functional_types
+from mmseg_mesa.integrations.mmseg_handlers import functional_types
 
 SMALL_VIT = {'model.backbone.img_size': (64, 64)}
 # name -> (config, options, size, largest uncompressed share or None)

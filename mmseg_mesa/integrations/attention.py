@@ -26,7 +26,7 @@ from ..layers.attention_core import (
     recomputes_maps,
 )
 from ..layers.base import MesaModule, make_quantizer
-from ..layers.functional import MesaFunctional
+from ..layers.intercept import MesaFunctional
 from ..layers.linear import MesaLinearFunction
 from ..layers.matmul import MesaMatMul
 

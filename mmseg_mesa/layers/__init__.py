@@ -1,18 +1,19 @@
 """Mesa layers: torch modules whose forward is exact and whose saved activations are compressed."""
-from .activation import MesaGELU, MesaReLU
-from .base import MesaModule
-from .cnn_activations import (
+from .activations import (
     MesaELU,
+    MesaGELU,
     MesaHardsigmoid,
     MesaHardswish,
     MesaHardtanh,
     MesaLeakyReLU,
     MesaPReLU,
+    MesaReLU,
     MesaReLU6,
     MesaSigmoid,
     MesaSiLU,
     MesaTanh,
 )
+from .base import MesaModule
 from .conv import MesaConv1d, MesaConv2d
 from .conv_transpose import MesaConvTranspose2d
 from .dropout import MesaDropout

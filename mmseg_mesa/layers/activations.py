@@ -1,6 +1,7 @@
-"""The activations of CNN backbones and heads besides ReLU and GELU (``activation.py``), each
-saving only what its backward needs.
+"""The activations, each saving only what its backward needs.
 
+- GELU: its input, ``bits``-bit (the Linear after it saves its output as these codes).
+- ReLU: a 1-bit mask.
 - Hardtanh / ReLU6, LeakyReLU, Hardsigmoid: their derivative is piecewise constant, so one bit per
   element says which piece; the gradient is exact.
 - PReLU: the sign bit (input gradient, exact) and the quantized negative part of the input (the
@@ -11,11 +12,12 @@ saving only what its backward needs.
 - ELU: the sign bit and the quantized negative part of the output (``alpha * exp(x) = y + alpha``).
 
 Bits are computed from the input before an in-place op overwrites it, with the comparisons torch's
-own backward makes. Quantized copies are grouped per channel: dim 1 for inputs with 4 or more dims
-(N, C, H, W), the last dim otherwise (tokens x channels).
+own backward makes. Quantized copies of CNN activations are grouped per channel: dim 1 for inputs
+with 4 or more dims (N, C, H, W), the last dim otherwise (tokens x channels).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,17 +25,86 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack
+from ..reuse import attach_codes
 from ..saved import PackedMask, load, save
 from .base import (
     MesaModule,
     autocast_inputs,
     autocast_off,
+    cast,
     no_autocast_backward,
     record_input,
     returns_owned,
     sum_to,
 )
+
+
+class MesaGELUFunction(torch.autograd.Function):
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, approximate: str,
+                quantizer: ActivationQuantizer) -> torch.Tensor:
+        record_input(ctx, x)
+        ctx.approximate = approximate
+        y = F.gelu(x, approximate=approximate)
+        packed = quantizer.pack(x)
+        save(ctx, packed)
+        if isinstance(packed, Packed):  # the next Linear saves y as these codes
+            attach_codes(y, Mapped(packed, functools.partial(F.gelu, approximate=approximate),
+                                   y.dtype))
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (packed,) = load(ctx)
+        # torch's own GELU backward (one fused pass) on the decoded input, in fp32
+        grad_x = torch.ops.aten.gelu_backward(cast(grad, torch.float32),
+                                              unpack(packed, torch.float32),
+                                              approximate=ctx.approximate)
+        return cast(grad_x, ctx.input_dtype), None, None
+
+
+class MesaGELU(MesaModule, nn.GELU):
+    """``nn.GELU`` whose saved input is quantized per channel group (last dim)."""
+
+    mesa_quantizers = {'quant_input': (-1, None)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaGELUFunction.apply(x, self.approximate, self.quant_input)
+
+
+class MesaReLUFunction(torch.autograd.Function):
+    """ReLU keeping only ``output > 0`` as one bit per element; supports in-place."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
+        if inplace:
+            ctx.mark_dirty(x)
+            y = torch.relu_(x)
+        else:
+            y = torch.relu(x)
+        save(ctx, PackedMask.positive(y))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (mask,) = load(ctx)
+        return mask.select(grad), None
+
+
+class MesaReLU(MesaModule, nn.ReLU):
+    """``nn.ReLU`` that saves a 1-bit mask instead of its output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaReLUFunction.apply(x, self.inplace)
 
 
 def comparable(x: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ def convert_kernel_updator(module: nn.Module, config: MesaConfig) -> None:
     ``init_weights()``); row groups hold it at 1.000 (docs/benchmarks.md). The Linears stay
     the Linear handler's to convert (``skip`` and the report apply to them as to any Linear).
     """
-    from ..layers.functional import MesaFunctional
+    from ..layers.intercept import MesaFunctional
 
     for child in (module, *(c for c in module.children() if isinstance(c, nn.Linear))):
         child.mesa_row_groups = True
@@ -153,7 +153,7 @@ def mmcv_ops_attention_types() -> tuple[type, ...]:
 
 
 def register_functional_handlers() -> None:
-    from ..layers.functional import MesaFunctional
+    from ..layers.intercept import MesaFunctional
     from .attention import REWRITTEN, convert_attention
 
     for module_type, layer_type in functional_types().items():

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer
 from ..saved import save
+from .activations import MesaSmoothFunction
 from .base import (
     MesaModule,
     make_quantizer,
@@ -36,7 +37,6 @@ from .base import (
     row_group_config,
     sum_to,
 )
-from .cnn_activations import MesaSmoothFunction
 from .conv import MesaConv2dFunction
 from .einsum import MesaEinsumFunction, gradient_equations
 from .grid_sample import MesaGridSampleFunction
