@@ -56,7 +56,7 @@ benchmark-kernels: env
 	$(PY) tools/benchmark_kernels.py --json work_dirs/benchmarks/kernels.json
 
 # Same accuracy? The demo model for 3 seeds, baseline and default (about 6.5 min on 2 cores);
-# e.g. TRAINING_ARGS="--modes baseline default paper max-saving" for more presets.
+# e.g. TRAINING_ARGS="--modes baseline default paper stored-maps" for more presets.
 TRAINING_ARGS ?=
 benchmark-training: env
 	$(PY) tools/benchmark_training.py $(TRAINING_ARGS)

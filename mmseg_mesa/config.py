@@ -194,7 +194,8 @@ class MesaConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> MesaConfig:
         """A named preset (see ``PRESETS``) with some fields overridden; a former name
-        (``RENAMED_PRESETS``) fails with its new one."""
+        (``RENAMED_PRESETS``) fails with its new one, a removed one (``REMOVED_PRESETS``) with
+        the reason."""
         check_preset(name)
         return cls(**{**PRESETS[name], **overrides})
 
@@ -234,17 +235,22 @@ PRESETS: dict[str, dict[str, Any]] = {
     # MesaConfig(), what ``mesa = True`` gives: the paper's layers plus the exact low-resolution
     # loss (layer type 'loss').
     'default': {},
-    # The default with 4-bit codes only for LayerNorm's normalized input, which has unit spread
-    # in every token by construction; 4 bits on any other input measured a whole-gradient error
-    # near or above 0.10 on mmseg configs (docs/benchmarks.md, "Gradient fidelity"). No preset
-    # uses DIVISION: on the conv / batch-norm inputs it saves more but cost mIoU on the demo.
-    'max-saving': dict(layer_bits={'layernorm': 4}),
     # The default with Mesa's 8-bit copy of every attention map instead of recomputing the maps
     # in backward: more memory on plain ViTs, no recomputation.
     'stored-maps': dict(attention_maps='stored'),
 }
 # Presets under a former name: asking for one fails with its new name.
 RENAMED_PRESETS = {'mesa': 'paper'}
+# Presets that were removed, and why: asking for one fails with the reason. No preset uses
+# sub-byte codes: 4 bits on LayerNorm's input alone saved 2 MiB on Swin-T UPerNet's 1324 MiB step
+# (the Linear after each norm packs 8-bit codes of its own), on any other input they measured a
+# whole-gradient error near or above 0.10, and no preset uses DIVISION (it cost mIoU on the demo).
+REMOVED_PRESETS = {
+    'max-saving': "it saved no memory: its 4-bit LayerNorm codes cannot serve the 8-bit Linear "
+                  "after each norm (Swin-T UPerNet's step peak 1322 MiB against the default's "
+                  "1324); layer_bits=dict(layernorm=4) gives the same config, and activation "
+                  "checkpointing with the default a smaller step (docs/benchmarks.md)",
+}
 
 
 def check_preset(name: str) -> None:
@@ -252,5 +258,8 @@ def check_preset(name: str) -> None:
     if name in RENAMED_PRESETS:
         raise ValueError(f'MesaConfig: preset {name!r} was renamed to '
                          f'{RENAMED_PRESETS[name]!r}')
+    if name in REMOVED_PRESETS:
+        raise ValueError(f'MesaConfig: preset {name!r} was removed: {REMOVED_PRESETS[name]}; '
+                         f'presets: {", ".join(PRESETS)}')
     if name not in PRESETS:
         raise ValueError(f'MesaConfig: unknown preset {name!r}; presets: {", ".join(PRESETS)}')

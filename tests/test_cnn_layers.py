@@ -364,7 +364,7 @@ def test_layer_bits_reach_the_new_layers():
     quantizers = [model[0].quant_channels, model[0].quant_tokens, model[1].quant_input,
                   model[2].quant_input, model[3].quant_negative]
     assert all(q.spec.bits == 4 for q in quantizers)
-    assert MesaConfig.preset('max-saving').for_layer('layernorm').bits == 4
+    assert MesaConfig(layer_bits={'layernorm': 4}).for_layer('layernorm').bits == 4
     x = torch.randn(2, 4, 6, 6, requires_grad=True)
     model(x).sum().backward()
     assert torch.isfinite(x.grad).all()

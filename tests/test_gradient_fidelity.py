@@ -24,7 +24,7 @@ def gradient_fidelity(tmp_path, *args):
 
 def test_error_is_small_next_to_minibatch_noise_and_averages_out(tmp_path):
     results = gradient_fidelity(tmp_path, DEMO, '--draws', '4', '--batch', '4', '--size', '64',
-                                '64', '--presets', 'config', 'max-saving')
+                                '64', '--presets', 'config', 'paper')
     noise = results['minibatch_noise']
     rows = results['presets']['config']['rows']
     first, last = rows[0]['relative_error'], rows[-1]['relative_error']
@@ -35,7 +35,7 @@ def test_error_is_small_next_to_minibatch_noise_and_averages_out(tmp_path):
     assert rows[-1]['worst_cosine'] > 0.9999
     ranked = rows[0]['cosines']
     assert rows[0]['worst_parameter'] in ranked and min(ranked.values()) == rows[0]['worst_cosine']
-    assert results['presets']['max-saving']['rows'][0]['relative_error'] < 0.1 * noise
+    assert results['presets']['paper']['rows'][0]['relative_error'] < 0.1 * noise
 
 
 def test_checkpoint_init_weights_and_cfg_options(tmp_path):
@@ -45,8 +45,8 @@ def test_checkpoint_init_weights_and_cfg_options(tmp_path):
     torch.save({'state_dict': state, 'meta': {}}, tmp_path / 'iter_1.pth')
     results = gradient_fidelity(tmp_path, DEMO, '--batch', '2', '--size', '32', '32',
                                 '--checkpoint', tmp_path / 'iter_1.pth', '--cfg-options',
-                                'mesa.preset=max-saving')
-    assert 'layer_bits' in results['presets']['config']['config']
+                                'mesa.layer_bits.layernorm=4')
+    assert "layer_bits=(('layernorm', 4),)" in results['presets']['config']['config']
     plain = gradient_fidelity(tmp_path, DEMO, '--batch', '2', '--size', '32', '32',
                               '--no-init-weights')
     assert plain['init_weights'] is False and plain['minibatch_noise'] > 0

@@ -355,7 +355,7 @@ def test_linear_after_layernorm_saves_its_input_as_the_norms_codes(affine):
 
 
 def test_layernorm_codes_serve_a_linear_only_at_its_bit_width():
-    """At another width (``max-saving``'s 4-bit LayerNorm) the Linear keeps 8-bit codes of its
+    """At another width (a 4-bit LayerNorm, ``layer_bits``) the Linear keeps 8-bit codes of its
     own: reusing the norm's would store its input at 4 bits."""
     report, model, exact = _norm_linear_step(layer_bits={'layernorm': 4})
     assert report.by_type['Linear'] >= 4 * 64 * 32

@@ -27,18 +27,25 @@ def quantizer(model, name):
 
 
 def test_every_preset_is_a_valid_config():
-    assert set(PRESETS) == {'paper', 'default', 'max-saving', 'stored-maps'}
+    assert set(PRESETS) == {'paper', 'default', 'stored-maps'}
     assert MesaConfig().attention_maps == 'recompute'
     assert MesaConfig.preset('stored-maps') == MesaConfig(attention_maps='stored')
     assert MesaConfig.preset('default') == MesaConfig() == MesaConfig.from_cfg(True)
     assert MesaConfig.preset('paper').layers == MesaConfig().layers - {'loss'}
     assert MesaConfig.preset('paper').bits == 8
-    assert MesaConfig.preset('max-saving', ema_decay=0.5).ema_decay == 0.5
+    assert MesaConfig.preset('paper', ema_decay=0.5).ema_decay == 0.5
 
 
 def test_unknown_preset_names_the_presets():
-    with pytest.raises(ValueError, match="unknown preset 'tiny'.*max-saving"):
+    with pytest.raises(ValueError, match="unknown preset 'tiny'.*stored-maps"):
         MesaConfig.preset('tiny')
+
+
+@pytest.mark.parametrize('value', ['max-saving', dict(preset='max-saving', bits=8)])
+def test_removed_preset_says_why_and_what_gives_the_same(value):
+    with pytest.raises(ValueError, match="preset 'max-saving' was removed: it saved no memory"
+                       ".*layer_bits=dict.layernorm=4.*presets: paper, default, stored-maps"):
+        MesaConfig.from_cfg(value)
 
 
 @pytest.mark.parametrize('value', ['mesa', dict(preset='mesa', bits=4)])
@@ -50,9 +57,9 @@ def test_renamed_preset_names_its_new_name(value):
         MesaConfig.preset('mesa')
 
 
-def test_max_saving_policy_per_layer():
+def test_layer_bits_per_layer_type():
     model = Block()
-    convert_to_mesa(model, config=MesaConfig.preset('max-saving'))
+    convert_to_mesa(model, config=MesaConfig(layer_bits={'layernorm': 4}))
     # 4-bit codes for LayerNorm's normalized input only; 8 bits elsewhere (BatchNorm too)
     for name in ('stem', 'head', 'bn', 'fc', 'gelu', 'norm', 'softmax'):
         assert isinstance(quantizer(model, name), ActivationQuantizer), name
@@ -109,7 +116,7 @@ def test_bad_policy_values_name_key_and_allowed(key, value, allowed):
 
 
 def test_from_cfg_presets():
-    assert MesaConfig.from_cfg('max-saving') == MesaConfig.preset('max-saving')
+    assert MesaConfig.from_cfg('stored-maps') == MesaConfig.preset('stored-maps')
     cfg = MesaConfig.from_cfg(dict(preset='paper', bits=4, division_modules=['decode_head.*']))
     assert cfg.bits == 4 and 'loss' not in cfg.layers and cfg.division_modules == ('decode_head.*',)
     cfg = MesaConfig.from_cfg(dict(layer_bits=dict(gelu=4)))

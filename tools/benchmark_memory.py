@@ -13,10 +13,10 @@ the bytes saved for backward (deduplicated storages, parameters excluded), the m
 training step, ratios to ``baseline``, and the saved bytes by the type of module that saved them.
 Modes: ``baseline``, ``mesa`` (the config's ``mesa`` setting: the default preset unless it says
 otherwise), ``mesa:PRESET`` for every other preset of ``mmseg_mesa.config.PRESETS``
-(``mesa:paper``, the paper's; ``mesa:max-saving``), ``amp`` (autocast: fp16 on CUDA, bf16 on CPU),
+(``mesa:paper``, the paper's; ``mesa:stored-maps``), ``amp`` (autocast: fp16 on CUDA, bf16 on CPU),
 ``mesa+amp``, ``checkpoint`` (activation checkpointing of each backbone stage, as mmengine's
 ``activation_checkpointing`` does), ``mesa+checkpoint``. Any Mesa mode combines with ``+amp`` and
-``+checkpoint`` (``mesa:max-saving+amp``).
+``+checkpoint`` (``mesa:paper+amp``).
 ``--cfg-options`` changes the config as in ``tools/train.py``; ``mesa.*`` keys change what the
 ``mesa`` mode measures (e.g. ``--cfg-options "mesa.division=[conv2d,batchnorm]"``).
 

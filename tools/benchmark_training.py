@@ -2,7 +2,7 @@
 for several seeds each, on CPU, with the gap set against the seed spread.
 
     python tools/benchmark_training.py                      # baseline and default, 3 seeds
-    python tools/benchmark_training.py --modes baseline default paper max-saving --seeds 3
+    python tools/benchmark_training.py --modes baseline default paper --seeds 3
     python tools/benchmark_training.py --difficulty hard    # the harder generated dataset
 
 Every run is ``tools/train.py`` on the demo config (``configs/demo/swin-mini_upernet_demo.py``,

@@ -1,7 +1,7 @@
 """What Mesa leaves uncompressed: the share of the baseline's saved bytes, and who holds it.
 
     python tools/coverage.py CONFIG [--size H W] [--batch N] [--top K] [--json PATH]
-        [--cfg-options mesa.preset=max-saving ...]
+        [--cfg-options mesa.preset=paper ...]
 
 Builds the config's model (random weights, SyncBN reverted) and runs one training forward
 (``mode='loss'``) of the baseline and of its Mesa conversion (the config's ``mesa`` setting: the

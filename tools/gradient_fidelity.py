@@ -1,6 +1,6 @@
 """Mesa's parameter gradients next to the exact ones on one training step, with a yardstick.
 
-    python tools/gradient_fidelity.py [CONFIG] [--presets config default max-saving ...]
+    python tools/gradient_fidelity.py [CONFIG] [--presets config default paper ...]
         [--batch 2] [--size 128 128] [--no-init-weights] [--draws 1] [--checkpoint PATH]
         [--json PATH] [--cfg-options mesa.stochastic_rounding=False ...]
 
