@@ -30,6 +30,7 @@ from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
 from .base import DECODE_CHUNK_BYTES, cast, no_autocast_backward, record_input, returns_owned
 from .dropout import dropout_with_mask
+from .softmax import softmax_backward
 
 # The quantizers of a module that uses the Function (``MesaModule.mesa_quantizers``): q, k and v
 # viewed as (B, N, H * d), one group per head and channel.
@@ -282,8 +283,7 @@ class MesaAttentionFunction(torch.autograd.Function):
                 grad_v = put(grad_v, torch.matmul(dropped.transpose(-2, -1), g_rows), images,
                              None)
             del dropped
-            # torch's softmax backward: attn * (dP - sum(dP * attn)), one fused pass
-            grad_scores = torch._softmax_backward_data(grad_attn, attn, -1, attn.dtype)
+            grad_scores = softmax_backward(grad_attn, attn, -1)
             del attn, grad_attn
             if grad_table is not None:
                 grad_table.index_add_(0, index[rows].reshape(-1),

@@ -31,10 +31,15 @@ class MesaSoftmaxFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (packed,) = load(ctx)
-        y = unpack(packed, torch.float32)
-        g = grad.float()
-        grad_x = y * (g - (g * y).sum(ctx.dim, keepdim=True))
+        grad_x = softmax_backward(grad, unpack(packed, torch.float32), ctx.dim)
         return grad_x.to(ctx.input_dtype), None, None
+
+
+def softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    """The input gradient of ``y = softmax(x, dim)``, ``y * (grad - sum(grad * y, dim))``, in
+    ``y``'s dtype: torch's own softmax backward kernel, one fused pass with no full-size
+    temporary besides its result (every Mesa softmax and recomputed attention map use it)."""
+    return torch._softmax_backward_data(grad.to(y.dtype), y, dim, y.dtype)
 
 
 def softmax_dim(dim: int | None, ndim: int) -> int:
