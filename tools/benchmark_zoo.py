@@ -117,21 +117,6 @@ def families() -> list[str]:
                   if osp.isdir(osp.join(root, d)) and not d.startswith(('_', '.')))
 
 
-def step(model: torch.nn.Module, batch: tuple) -> tuple[dict, dict]:
-    """The detached losses and the parameter gradients of one training step."""
-    from mmseg_mesa.bench.models import loss_of
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)  # the same drop-path / dropout draws in both models
-    losses = model(*batch, mode='loss')
-    loss_of(losses).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return {k: [t.detach() for t in v] if isinstance(v, (list, tuple)) else v.detach()
-            for k, v in losses.items()}, grads
-
-
 def same_losses(a: dict, b: dict) -> bool:
     def flat(v: Any) -> list:
         return list(v) if isinstance(v, list) else [v]
@@ -145,7 +130,12 @@ def measure(path: str, size: int, batch_size: int, result: dict) -> dict:
     module docstring), filling ``result`` (its ``stage`` says how far it got)."""
     from mmseg_mesa import convert_to_mesa
     from mmseg_mesa.bench.coverage import module_types, split_saved, training_forward
-    from mmseg_mesa.bench.fidelity import relative_error, split, worst_cosine
+    from mmseg_mesa.bench.fidelity import (
+        losses_and_gradients,
+        relative_error,
+        split,
+        worst_cosine,
+    )
     from mmseg_mesa.bench.models import build_model, load_config, make_batch
     result['stage'] = 'config'
     cfg = load_config(path)
@@ -157,12 +147,14 @@ def measure(path: str, size: int, batch_size: int, result: dict) -> dict:
     # copied before any step: a training forward may update state it reads (EMANet's bases)
     model = copy.deepcopy(reference)
     result['stage'] = 'baseline step'
-    exact_losses, exact = step(reference, data)
+    reference.train()
+    exact_losses, exact = losses_and_gradients(reference, data)
     result['stage'] = 'conversion'
     report = convert_to_mesa(model)
     result['stage'] = 'Mesa step'
-    losses, grads = step(model, data)
-    noise = relative_error(step(reference, other)[1], exact)
+    model.train()
+    losses, grads = losses_and_gradients(model, data)
+    noise = relative_error(losses_and_gradients(reference, other)[1], exact)
     result.update(forward_identical=same_losses(exact_losses, losses),
                   relative_error=relative_error(grads, exact), minibatch_noise=noise,
                   worst_cosine=worst_cosine(grads, exact), converted=len(report.converted))

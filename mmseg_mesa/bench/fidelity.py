@@ -19,14 +19,21 @@ Gradients = dict[str, torch.Tensor]
 SIGNIFICANT = 1e-3  # parameters below this fraction of the largest gradient norm are not ranked
 
 
-def gradients(model: torch.nn.Module, batch: tuple) -> Gradients:
+def losses_and_gradients(model: torch.nn.Module, batch: tuple) -> tuple[dict, Gradients]:
+    """The detached losses (mmseg's dict) and the parameter gradients of one training step."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)  # the same drop-path / dropout masks in every run
-    loss_of(model(*batch, mode='loss')).backward()
+    losses = model(*batch, mode='loss')
+    loss_of(losses).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return grads
+    return {k: [t.detach() for t in v] if isinstance(v, (list, tuple)) else v.detach()
+            for k, v in losses.items()}, grads
+
+
+def gradients(model: torch.nn.Module, batch: tuple) -> Gradients:
+    return losses_and_gradients(model, batch)[1]
 
 
 def relative_error(got: Gradients, exact: Gradients) -> float:
