@@ -6,8 +6,9 @@
   (``layers.banded_loss``) and reduced once as mmseg reduces them; other losses (Dice, Lovasz,
   a pixel sampler) run whole through ``RecomputedLoss``, and the log says why. Both are exact.
 - Heads with a loss of their own (PIDNet's and DDRNet's OHEM and boundary losses, STDC's detail
-  loss, EncNet's semantic-encoding loss) become ``MesaRecomputedLossHead``: that loss runs whole
-  through ``RecomputedLoss``, keeping only the head's logits.
+  loss, EncNet's semantic-encoding loss, PointRend's point loss) become
+  ``MesaRecomputedLossHead``: that loss runs whole through ``RecomputedLoss``, keeping only the
+  head's logits.
 """
 from __future__ import annotations
 
