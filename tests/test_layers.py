@@ -154,7 +154,7 @@ def small_and_large_backward(monkeypatch, layer, x, grad, owner, sequential_step
     run checks which path it took by counting the calls of ``owner.sequential_step``, a
     function only the in-place path calls."""
     import mmseg_mesa.layers.base as base
-    import mmseg_mesa.layers.norm as norm
+    import mmseg_mesa.layers.norm_backward as norm_backward
     from mmseg_mesa.quantizer import reset_rounding_generators
     step = getattr(owner, sequential_step)
     calls = []
@@ -162,7 +162,7 @@ def small_and_large_backward(monkeypatch, layer, x, grad, owner, sequential_step
                         lambda *args, **kwargs: calls.append(1) or step(*args, **kwargs))
     results = []
     for limit, expected_calls in ((1 << 40, 0), (0, 1)):
-        for module in (base, norm):
+        for module in (base, norm_backward):
             monkeypatch.setattr(module, 'FUSED_BACKWARD_BYTES', limit)
         ours = copy.deepcopy(layer)  # the same running estimates
         reset_rounding_generators()
@@ -214,9 +214,9 @@ def test_small_batchnorm_backward_through_torch_kernels_matches_the_in_place_one
     x = torch.randn(4, 16, 6, 6) * torch.logspace(-3, 1, 16).view(1, -1, 1, 1) + 2.0
     x.requires_grad_()
     grad = torch.randn(4, 16, 6, 6)
-    import mmseg_mesa.layers.norm as norm
-    fused, in_place = small_and_large_backward(monkeypatch, layer, x, grad, norm,
-                                               'batch_norm_grads')
+    import mmseg_mesa.layers.norm_backward as norm_backward
+    fused, in_place = small_and_large_backward(monkeypatch, layer, x, grad, norm_backward,
+                                               'channel_input_grad')
     for a, b in zip(fused, in_place):
         assert (a - b).norm() <= 1e-5 * b.norm()
     scale = fused[0].abs().amax((0, 2, 3))

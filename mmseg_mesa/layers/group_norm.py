@@ -18,8 +18,9 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import MesaModule, no_autocast_backward, record_input, returns_owned
-from .norm import channel_shape, normalized, normalized_input_grad
+from .base import MesaModule, cast, no_autocast_backward, record_input, returns_owned
+from .norm import cast_grads, normalized
+from .norm_backward import NormSets, normalization_backward
 
 
 def grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -46,19 +47,11 @@ class MesaGroupNormFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, rstd, weight, bias = load(ctx)
-        x_norm = unpack(packed, torch.float32)
-        g = grad.float()
-        reduce_dims = [0] + list(range(2, g.dim()))
-        grad_x = grad_w = grad_b = None
-        if weight is not None and ctx.needs_input_grad[2]:
-            grad_w = (g * x_norm).sum(reduce_dims).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[3]:
-            grad_b = g.sum(reduce_dims).to(bias.dtype)
-        if ctx.needs_input_grad[0]:
-            g_norm = g * weight.float().view(channel_shape(g)) if weight is not None else g
-            grad_x = normalized_input_grad(grouped(g_norm, ctx.num_groups),
-                                           grouped(x_norm, ctx.num_groups), rstd, 2)
-            grad_x = grad_x.view(g.shape).to(ctx.input_dtype)
+        grads = normalization_backward(
+            cast(grad, torch.float32), unpack(packed, torch.float32), rstd, weight, bias,
+            NormSets.channel_groups(ctx.num_groups),
+            (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]))
+        grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
         return grad_x, None, grad_w, grad_b, None, None
 
 

@@ -15,7 +15,6 @@ from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_gra
 from ..reuse import attach_codes
 from ..saved import load, save
 from .base import (
-    FUSED_BACKWARD_BYTES,
     MesaModule,
     cast,
     channel_dot,
@@ -24,6 +23,7 @@ from .base import (
     record_input,
     returns_owned,
 )
+from .norm_backward import NormSets, fits_fused, normalization_backward
 
 # Moments torch's norms return that are kept as they are; half-precision ones (bf16 or fp16
 # parameters on CPU) are recomputed in fp32 from the input.
@@ -72,14 +72,6 @@ def layer_norm_with_moments(x: torch.Tensor, normalized_shape: tuple, weight: to
     return y, mean, rstd
 
 
-def normalized_input_grad(g_norm: torch.Tensor, x_norm: torch.Tensor, rstd: torch.Tensor,
-                          dims: tuple[int, ...] | int) -> torch.Tensor:
-    """Input gradient of a normalization over ``dims`` from the gradient of its normalized
-    output (``g_norm``, the weight already applied), the normalized input and the exact 1/std."""
-    return rstd * (g_norm - g_norm.mean(dims, keepdim=True)
-                   - x_norm * (g_norm * x_norm).mean(dims, keepdim=True))
-
-
 class MesaLayerNormFunction(torch.autograd.Function):
     """``F.layer_norm`` saving the packed *normalized* input and the exact 1/std of each token.
 
@@ -113,23 +105,11 @@ class MesaLayerNormFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, rstd, weight, bias = load(ctx)
-        x_norm = unpack(packed, torch.float32)
-        # torch's own layer-norm backward on x_norm, with mean 0 and 1/std 1 so that it
-        # normalizes nothing; the exact 1/std scales its input gradient afterwards. One pass
-        # where the formula (normalized_input_grad) took seven full-size temporaries.
-        flat = torch.zeros(rstd.shape, dtype=torch.float32, device=rstd.device)
-        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
-            cast(grad, torch.float32), x_norm, ctx.normalized_shape, flat, flat.add(1.0),
-            None if weight is None else cast(weight, torch.float32),
-            None if bias is None else cast(bias, torch.float32),
-            [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
-             bias is not None and ctx.needs_input_grad[3]])
-        if grad_x is not None:
-            grad_x = cast(grad_x.mul_(rstd), ctx.input_dtype)
-        if grad_w is not None:
-            grad_w = cast(grad_w, weight.dtype)
-        if grad_b is not None:
-            grad_b = cast(grad_b, bias.dtype)
+        grads = normalization_backward(
+            cast(grad, torch.float32), unpack(packed, torch.float32), rstd, weight, bias,
+            NormSets.tokens(ctx.normalized_shape),
+            (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]))
+        grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
         return grad_x, None, grad_w, grad_b, None, None
 
 
@@ -165,21 +145,6 @@ class MesaLayerNorm(MesaModule, nn.LayerNorm):
                                            self.bias, self.eps, self.quant_input)
 
 
-def batch_norm_grads(grad: torch.Tensor, x_norm: torch.Tensor, invstd: torch.Tensor,
-                     weight: torch.Tensor | None, sum_dy: torch.Tensor,
-                     sum_dy_xnorm: torch.Tensor, count: float) -> torch.Tensor:
-    """Input gradient of training-mode batch norm from (possibly all-reduced) channel sums.
-
-    ``x_norm = (x - mean) * invstd``, the caller's own fp32 temporary: the result is written
-    into it, so backward holds no full-size tensor besides ``grad`` and this one (the
-    out-of-place formula made three more, up to 320 MiB at Swin-T UPerNet's 512x512 peak).
-    All per-channel tensors are shaped to broadcast over x.
-    """
-    scale = invstd if weight is None else invstd * weight.float().view_as(invstd)
-    out = x_norm.mul_(-(sum_dy_xnorm / count)).add_(grad).sub_(sum_dy / count)
-    return out.mul_(scale)
-
-
 class MesaBatchNormFunction(torch.autograd.Function):
     """Training-mode ``F.batch_norm`` saving the packed *normalized* input and 1/std per channel.
 
@@ -208,54 +173,32 @@ class MesaBatchNormFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, invstd, weight, bias = load(ctx)
-        g = cast(grad, torch.float32)
-        if g.numel() * 4 <= FUSED_BACKWARD_BYTES:
-            return fused_batch_norm_backward(ctx, g, unpack(packed, torch.float32), invstd,
-                                             weight, bias)
-        dims = [0] + list(range(2, g.dim()))
-        x_norm = standardize(unpack(packed, torch.float32), dims, invstd, ctx.eps)
-        sum_dy = g.sum(dims, keepdim=True)
-        sum_dy_xnorm = channel_dot(g, x_norm, dims)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            count = g.numel() / g.shape[1]
-            grad_x = cast(batch_norm_grads(g, x_norm, invstd, weight, sum_dy, sum_dy_xnorm,
-                                           count), ctx.input_dtype)
-        if weight is not None and ctx.needs_input_grad[1]:
-            grad_w = cast(sum_dy_xnorm.flatten(), weight.dtype)
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_b = cast(sum_dy.flatten(), bias.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        x_norm = restandardized(unpack(packed, torch.float32), invstd, ctx.eps)
+        grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight, bias,
+                                       NormSets.channels(), ctx.needs_input_grad[:3])
+        return (*cast_grads(ctx, grads, weight, bias), None, None, None, None, None)
 
 
-def fused_batch_norm_backward(ctx: Any, g: torch.Tensor, decoded: torch.Tensor,
-                              invstd: torch.Tensor, weight: torch.Tensor | None,
-                              bias: torch.Tensor | None) -> tuple:
-    """``MesaBatchNormFunction.backward`` for a tensor below ``FUSED_BACKWARD_BYTES``: the same
-    formulas as the chunked, in-place path, through torch's fused batch-norm kernels.
-
-    ``native_batch_norm`` re-standardizes the decoded values (``standardize``: its weight is the
-    target spread, its epsilon only keeps a constant channel finite), and
-    ``native_batch_norm_backward`` with mean 0 and 1/std 1 normalizes nothing, so its input
-    gradient is ``batch_norm_grads``' once its weight is ``invstd * weight``. Two fused passes
-    each, where the in-place formulas take a dozen small ones; it holds two full-size fp32
-    tensors at a time where they hold one, which is why large inputs take the other path.
-    """
-    flat_invstd = invstd.reshape(-1)
-    spread = normalized_variance(flat_invstd, ctx.eps).sqrt()
-    x_norm = torch.native_batch_norm(decoded, spread, None, None, None, True, 0.0,
-                                     RESTANDARDIZE_EPS)[0]
-    del decoded
-    scale = flat_invstd if weight is None else flat_invstd * weight.float()
-    zeros = torch.zeros_like(flat_invstd)
-    needs = ctx.needs_input_grad
-    grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
-        g, x_norm, scale, None, None, zeros, zeros.add(1.0), True, 0.0,
-        [needs[0], weight is not None and needs[1], bias is not None and needs[2]])
+def cast_grads(ctx: Any, grads: tuple, weight: torch.Tensor | None,
+               bias: torch.Tensor | None) -> tuple:
+    """A norm's fp32 ``(grad_x, grad_weight, grad_bias)`` in the dtypes of its input and
+    affine parameters."""
+    grad_x, grad_w, grad_b = grads
     return (None if grad_x is None else cast(grad_x, ctx.input_dtype),
             None if grad_w is None else cast(grad_w, weight.dtype),
-            None if grad_b is None else cast(grad_b, bias.dtype),
-            None, None, None, None, None)
+            None if grad_b is None else cast(grad_b, bias.dtype))
+
+
+def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """The decoded normalized input with the exact per-channel moments it had before
+    quantization (``standardize``); below ``FUSED_BACKWARD_BYTES`` through torch's fused
+    ``native_batch_norm``, whose weight is the target spread and whose epsilon only keeps a
+    constant channel finite (two full-size tensors alive), above it in place (one)."""
+    if not fits_fused(decoded):
+        return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps)
+    spread = normalized_variance(invstd.reshape(-1), eps).sqrt()
+    return torch.native_batch_norm(decoded, spread, None, None, None, True, 0.0,
+                                   RESTANDARDIZE_EPS)[0]
 
 
 def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,

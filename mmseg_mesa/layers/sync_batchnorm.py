@@ -41,12 +41,12 @@ from ..saved import load, save
 from .base import MesaModule, no_autocast_backward, record_input, returns_owned
 from .norm import (
     MesaBatchNormFunction,
-    batch_norm_grads,
     batch_norm_momentum,
     channel_shape,
     eval_batch_norm,
     standardize_scale,
 )
+from .norm_backward import NormSets, normalization_backward
 
 
 def global_moments(x: torch.Tensor, process_group: Any, world_size: int
@@ -158,8 +158,10 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
                 grad_x = torch.zeros_like(grad, dtype=ctx.input_dtype)
             else:
                 x_norm = (x_hat - hat_mean) * scale
-                grad_x = batch_norm_grads(g, x_norm, invstd, weight, total[0].view(shape),
-                                          sum_dy_xnorm(total), count).to(ctx.input_dtype)
+                grad_x = normalization_backward(
+                    g, x_norm, invstd, weight, bias, NormSets.channels(), (True, False, False),
+                    set_sums=(total[0].view(shape), sum_dy_xnorm(total), count))[0]
+                grad_x = grad_x.to(ctx.input_dtype)
         # Local weight / bias gradients, as torch's SyncBN: DDP all-reduces parameter gradients.
         if weight is not None and ctx.needs_input_grad[1]:
             grad_w = sum_dy_xnorm(local).flatten().to(weight.dtype)
