@@ -66,7 +66,7 @@ def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, chunk, 
     use_table, groups, score_scale, dropout_p, need_map = variant
     if chunk is not None:  # 3 heads x 20 x 20 fp32 is 4800 bytes: blocks of rows, or of
         # two whole images
-        monkeypatch.setattr(attention_core, 'DECODE_CHUNK_BYTES', chunk)
+        monkeypatch.setattr(attention_core, 'MAP_BLOCK_BYTES', chunk)
     q, k, v, table, index = _operands()
     if not use_table:
         table = index = None

@@ -10,7 +10,7 @@ shifted windows, Twins' padding) and the 1-bit keep mask of attention dropout. M
 an 8-bit copy of every map: ``heads x N x N`` bytes per image and layer, quadratic in the tokens.
 
 Backward recomputes each map from the decoded q and k and renormalizes it with a softmax of the
-recomputed logits, by blocks of rows (``DECODE_CHUNK_BYTES`` of fp32 each), so no full map exists
+recomputed logits, by blocks of rows (``MAP_BLOCK_BYTES`` of fp32 each), so no full map exists
 in backward either. Renormalizing matters: the logits' quantization error is exponentiated, and
 a forward row statistic (log-sum-exp) applied to recomputed logits leaves rows that do not sum to
 one, which on peaked rows costs more than the stored 8-bit map (docs/benchmarks.md, "Attention
@@ -28,7 +28,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
-from .base import DECODE_CHUNK_BYTES, cast, no_autocast_backward, record_input, returns_owned
+from .base import cast, no_autocast_backward, record_input, returns_owned
 from .dropout import dropout_with_mask
 from .softmax import softmax_backward
 
@@ -125,13 +125,21 @@ def add_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             + mask.unsqueeze(0)).view(batch, heads, queries, keys)
 
 
+# The fp32 bytes of one block of recomputed map rows. Backward holds about three such blocks at
+# once (the logits turned map, the map's gradient, the logits' gradient): with blocks of 32 MiB
+# (one whole 6 x 1025 x 1025 map) they were 105 MiB of DeiT-S UPerNet's 512x512 step peak, in
+# the last block's backward; with 8 MiB its backward stays below the optimizer step's peak
+# (docs/benchmarks.md). Smaller blocks only add matmul calls.
+MAP_BLOCK_BYTES = 8 << 20
+
+
 def _row_blocks(batch: int, heads: int, queries: int, keys: int) -> list[tuple[slice, slice]]:
-    """Blocks of (images, query rows) whose fp32 map slice stays under ``DECODE_CHUNK_BYTES``."""
+    """Blocks of (images, query rows) whose fp32 map slice stays under ``MAP_BLOCK_BYTES``."""
     per_image = heads * queries * keys * 4
-    if per_image <= DECODE_CHUNK_BYTES:
-        step = max(1, DECODE_CHUNK_BYTES // per_image)
+    if per_image <= MAP_BLOCK_BYTES:
+        step = max(1, MAP_BLOCK_BYTES // per_image)
         return [(slice(b, min(b + step, batch)), slice(None)) for b in range(0, batch, step)]
-    rows = max(1, DECODE_CHUNK_BYTES // (heads * keys * 4))
+    rows = max(1, MAP_BLOCK_BYTES // (heads * keys * 4))
     return [(slice(b, b + 1), slice(r, min(r + rows, queries)))
             for b in range(batch) for r in range(0, queries, rows)]
 
