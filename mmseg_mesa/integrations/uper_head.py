@@ -54,8 +54,8 @@ class LevelGradients:
     whole input gradient (each input channel's gradient reads only its own weights); it goes
     back through its upsampling before the next slice exists. Gradients are the whole conv's up
     to the order of float sums. The weight gradient is not ``weighted_backward``'s: that decodes
-    all levels of a sample at once (128 MiB there), which raised the bottleneck's backward peak
-    from 1124 to 1251 MiB (docs/benchmarks.md).
+    all levels of a sample at once (128 MiB there, against 32 MiB a level at a time), which
+    raised the bottleneck's own backward peak from 1124 to 1251 MiB.
     """
 
     def __init__(self, slices: int) -> None:
