@@ -40,6 +40,12 @@ DEFAULT_LAYER_TYPES = frozenset(LAYER_TYPES) - OPT_IN_LAYER_TYPES
 # which DIVISION's low-pass + residual split applies to. Attention maps, attention operands and
 # masks keep Mesa's quantizer.
 DIVISION_LAYER_TYPES = ('linear', 'conv2d', 'gelu', 'layernorm', 'batchnorm')
+# Layer types whose codes round to nearest by default. BatchNorm's backward sums its normalized
+# input against the output gradient over every pixel of a channel and sends that one number back
+# to all of them, so the rounding error of the sum reaches every upstream weight in one
+# direction; nearest rounding has half the variance of stochastic rounding, and its bias measured
+# nothing over independent batches (docs/benchmarks.md).
+DEFAULT_NEAREST_ROUNDING = frozenset({'batchnorm'})
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -88,8 +94,11 @@ class MesaConfig:
             cost DeiT-S UPerNet's LayerNorm weight gradients measurably, docs/benchmarks.md).
         ema_decay: Decay of the running estimates of each group's min and range; the first
             training step takes the batch statistics as they are. Defaults to 0.9 (the paper's).
-        stochastic_rounding: Round stochastically (unbiased) instead of to nearest.
-            Defaults to True.
+        stochastic_rounding: Round stochastically (unbiased) instead of to nearest, in every
+            layer type but those of ``nearest_rounding``. Defaults to True.
+        nearest_rounding: Layer types whose codes round to nearest even where
+            ``stochastic_rounding`` is True. Defaults to ``{'batchnorm'}``
+            (``DEFAULT_NEAREST_ROUNDING``); ``()`` rounds every layer stochastically.
         backend: ``'auto'`` uses the compiled kernels of the tensor's device (CPU or CUDA)
             when they are built, ``'cuda'`` requires the CUDA kernels (and CUDA tensors),
             ``'torch'`` always uses the pure-PyTorch reference; all give the same codes.
@@ -123,6 +132,7 @@ class MesaConfig:
     group_size: int = 1
     ema_decay: float = 0.9
     stochastic_rounding: bool = True
+    nearest_rounding: frozenset[str] = DEFAULT_NEAREST_ROUNDING
     backend: str = 'auto'
     layers: frozenset[str] = field(default_factory=lambda: DEFAULT_LAYER_TYPES)
     skip: tuple[str, ...] = ()
@@ -147,6 +157,8 @@ class MesaConfig:
             _fail('ema_decay', self.ema_decay, 'a number in [0, 1)')
         if not isinstance(self.stochastic_rounding, bool):
             _fail('stochastic_rounding', self.stochastic_rounding, 'True or False')
+        object.__setattr__(self, 'nearest_rounding',
+                           _types('nearest_rounding', self.nearest_rounding, LAYER_TYPES))
         if self.backend not in BACKENDS:
             _fail('backend', self.backend, ', '.join(BACKENDS))
         object.__setattr__(self, 'layers', _types('layers', self.layers, LAYER_TYPES))
@@ -177,10 +189,12 @@ class MesaConfig:
             _fail('attention_maps', self.attention_maps, ', '.join(ATTENTION_MAPS))
 
     def for_layer(self, layer_type: str, name: str = '') -> MesaConfig:
-        """The config one converted module gets: its bit width and compressor resolved.
+        """The config one converted module gets: its bit width, rounding and compressor
+        resolved.
 
-        ``bits`` becomes the layer type's entry of ``layer_bits`` (if any) and ``compressor``
-        becomes ``'division'`` or ``'mesa'`` for this module, so layers only read those two.
+        ``bits`` becomes the layer type's entry of ``layer_bits`` (if any),
+        ``stochastic_rounding`` False where ``nearest_rounding`` names the type, and
+        ``compressor`` ``'division'`` or ``'mesa'`` for this module, so layers only read those.
         """
         if layer_type not in LAYER_TYPES:
             raise ValueError(f'MesaConfig.for_layer: unknown layer type {layer_type!r}; '
@@ -188,8 +202,11 @@ class MesaConfig:
         division = layer_type in DIVISION_LAYER_TYPES and (
             self.compressor == 'division' or layer_type in self.division
             or any(fnmatch.fnmatchcase(name, p) for p in self.division_modules))
-        return dataclasses.replace(self, bits=dict(self.layer_bits).get(layer_type, self.bits),
-                                   compressor='division' if division else 'mesa')
+        return dataclasses.replace(
+            self, bits=dict(self.layer_bits).get(layer_type, self.bits),
+            stochastic_rounding=self.stochastic_rounding
+            and layer_type not in self.nearest_rounding,
+            compressor='division' if division else 'mesa')
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> MesaConfig:

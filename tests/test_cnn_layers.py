@@ -29,8 +29,10 @@ from torch import nn
 from mmseg_mesa import (
     MesaAdaptiveAvgPool2d,
     MesaAvgPool2d,
+    MesaBatchNorm2d,
     MesaConfig,
     MesaConv1d,
+    MesaConv2d,
     MesaConvTranspose2d,
     MesaELU,
     MesaGroupNorm,
@@ -368,6 +370,20 @@ def test_layer_bits_reach_the_new_layers():
     x = torch.randn(2, 4, 6, 6, requires_grad=True)
     model(x).sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_batch_norm_rounds_to_nearest_by_default_built_or_converted():
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.SyncBatchNorm(4))
+    convert_to_mesa(model)
+    assert model[0].quant_input.spec.stochastic
+    assert not model[1].quant_input.spec.stochastic
+    assert not model[2].quant_input.spec.stochastic
+    assert not MesaBatchNorm2d(4, mesa_config=MesaConfig()).quant_input.spec.stochastic
+    assert MesaBatchNorm2d(4, mesa_config=MesaConfig(nearest_rounding=())).quant_input.spec \
+        .stochastic
+    # a layer built directly takes its type's bit width too, as a converted one does
+    assert MesaConv2d(3, 4, 1, mesa_config=MesaConfig(layer_bits={'conv2d': 4})).quant_input \
+        .spec.bits == 4
 
 
 @pytest.mark.parametrize('bits', [8, 4])

@@ -27,6 +27,7 @@ def test_defaults_are_the_papers():
     ('layers', ['linear', 'lstm'], 'linear'),
     ('layers', 'linear', 'a collection'),
     ('stochastic_rounding', 1, 'True or False'),
+    ('nearest_rounding', ['batchnorm', 'lstm'], 'linear'),
     ('skip', (1,), 'fnmatch patterns'),
 ])
 def test_bad_values_name_key_and_allowed(key, value, allowed):
@@ -41,6 +42,23 @@ def test_from_cfg_forms():
     assert MesaConfig.from_cfg(True) == MesaConfig()
     cfg = MesaConfig.from_cfg(dict(bits=4, layers=['linear', 'gelu'], skip=['decode_head.*']))
     assert cfg.bits == 4 and cfg.layers == {'linear', 'gelu'} and cfg.skip == ('decode_head.*',)
+
+
+def test_batch_norm_codes_round_to_nearest_unless_told_otherwise():
+    default = MesaConfig()
+    assert default.nearest_rounding == {'batchnorm'}
+    assert not default.for_layer('batchnorm').stochastic_rounding
+    assert all(default.for_layer(t).stochastic_rounding for t in LAYER_TYPES if t != 'batchnorm')
+    every = MesaConfig(nearest_rounding=())
+    assert all(every.for_layer(t).stochastic_rounding for t in LAYER_TYPES)
+    none = MesaConfig(stochastic_rounding=False)
+    assert not any(none.for_layer(t).stochastic_rounding for t in LAYER_TYPES)
+    # resolving twice (attention resolves its matmuls from its own config) changes nothing
+    once = default.for_layer('batchnorm')
+    assert once.for_layer('batchnorm') == once
+    cfg = MesaConfig.from_cfg(dict(nearest_rounding=['gelu', 'batchnorm']))
+    assert cfg.nearest_rounding == {'gelu', 'batchnorm'} and not cfg.for_layer('gelu') \
+        .stochastic_rounding
 
 
 def test_from_cfg_unknown_key_lists_valid_ones():

@@ -70,6 +70,7 @@ class MesaGELUFunction(torch.autograd.Function):
 class MesaGELU(MesaModule, nn.GELU):
     """``nn.GELU`` whose saved input is quantized per channel group (last dim)."""
 
+    mesa_layer_type = 'gelu'
     mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -70,11 +70,17 @@ class MesaModule:
     # Set by a converter that had to keep more than the layer type usually keeps (an attention
     # whose maps could not be left out); the conversion report lists it.
     mesa_note: str | None = None
+    # The layer type whose settings (``MesaConfig.for_layer``: bit width, rounding) a module built
+    # directly takes from the config it is given; conversion hands each module its own already.
+    mesa_layer_type: str | None = None
 
     def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
         """Build the torch module from its usual arguments, then attach Mesa."""
         super().__init__(*args, **kwargs)
-        self.mesa_setup(mesa_config or MesaConfig())
+        config = mesa_config or MesaConfig()
+        if self.mesa_layer_type is not None:
+            config = config.for_layer(self.mesa_layer_type)
+        self.mesa_setup(config)
 
     def mesa_setup(self, config: MesaConfig) -> None:
         """Attach the quantizers; called once after the class swap (or from ``__init__``)."""

@@ -91,6 +91,7 @@ class MesaConv2d(MesaModule, nn.Conv2d):
     String padding (``'same'``/``'valid'``) is not supported; conversion leaves such layers alone.
     """
 
+    mesa_layer_type = 'conv2d'
     mesa_quantizers = {'quant_input': (1, None)}
 
     def mesa_setup(self, config: MesaConfig) -> None:
@@ -135,6 +136,7 @@ class MesaConv1d(MesaModule, nn.Conv1d):
     """``nn.Conv1d`` (PointRend's point head) whose saved input is quantized per channel group
     (dim 1). Zero numeric padding only; conversion leaves other layers alone."""
 
+    mesa_layer_type = 'conv1d'
     mesa_quantizers = {'quant_input': (1, None)}
 
     def mesa_setup(self, config: MesaConfig) -> None:

@@ -66,6 +66,7 @@ class MesaConvTranspose2d(MesaModule, nn.ConvTranspose2d):
     Unbatched (3-dim) inputs run the torch path.
     """
 
+    mesa_layer_type = 'conv_transpose2d'
     mesa_quantizers = {'quant_input': (1, None)}
 
     def mesa_setup(self, config: MesaConfig) -> None:

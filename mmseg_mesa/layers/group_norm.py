@@ -59,6 +59,7 @@ class MesaGroupNorm(MesaModule, nn.GroupNorm):
     """``nn.GroupNorm`` saving its normalized input (``bits`` bits, per channel group of dim 1) and
     the exact 1/std per (sample, group)."""
 
+    mesa_layer_type = 'groupnorm'
     mesa_quantizers = {'quant_input': (1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ class MesaLinearFunction(torch.autograd.Function):
 class MesaLinear(MesaModule, nn.Linear):
     """``nn.Linear`` whose saved input is quantized per channel group (last dim)."""
 
+    mesa_layer_type = 'linear'
     mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,7 @@ class MesaMatMul(MesaModule, MatMul):
     ``(B, heads, N, d)`` attention operands.
     """
 
+    mesa_layer_type = 'matmul'
     mesa_quantizers = {'quant_a': (1, 1), 'quant_b': (1, 1)}
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,7 @@ def affine_codes(packed: Packed, weight: torch.Tensor | None, bias: torch.Tensor
 class MesaLayerNorm(MesaModule, nn.LayerNorm):
     """``nn.LayerNorm`` whose saved normalized input is quantized per channel group (last dim)."""
 
+    mesa_layer_type = 'layernorm'
     mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -357,6 +358,7 @@ class MesaBatchNorm(MesaModule, _BatchNorm):
     anyway, and 2 floats per channel cost nothing next to the activation).
     """
 
+    mesa_layer_type = 'batchnorm'
     mesa_quantizers = {'quant_input': (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

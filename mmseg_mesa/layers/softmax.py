@@ -55,6 +55,7 @@ class MesaSoftmax(MesaModule, nn.Softmax):
     For attention maps ``(B, heads, N, N)`` that is one group per head, as in Mesa.
     """
 
+    mesa_layer_type = 'softmax'
     mesa_quantizers = {'quant_output': (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -177,6 +177,7 @@ class MesaSyncBatchNorm(MesaModule, nn.SyncBatchNorm):
     takes the local path instead of refusing CPU input (torch checks the device first).
     """
 
+    mesa_layer_type = 'batchnorm'
     mesa_quantizers = {'quant_input': (1, 1)}
 
     def sync_world_size(self) -> int:
