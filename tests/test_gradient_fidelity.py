@@ -6,7 +6,7 @@ import pytest
 import torch
 from tool_runs import run_tool
 
-from mmseg_mesa.bench.fidelity import mesa_config_for
+from mmseg_mesa.bench.fidelity import error_coherence, mesa_config_for
 from mmseg_mesa.bench.models import build_model, load_config
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -58,3 +58,22 @@ def test_checkpoint_init_weights_and_cfg_options(tmp_path):
                       tmp_path / 'broken.pth')
     assert broken.returncode != 0
     assert 'RuntimeError' in broken.stderr and 'conv_seg.weight' in broken.stderr
+
+
+def test_error_coherence_tells_a_bias_from_independent_errors():
+    a, b = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])
+    same = error_coherence({'w': a + a + a}, 3 * 9.0)  # one error vector three times: sqrt(3)
+    assert same == pytest.approx(3 ** 0.5)
+    assert error_coherence({'w': a + b}, 9.0 + 16.0) == pytest.approx(1.0)  # orthogonal
+    assert error_coherence({'w': a - a}, 18.0) == 0.0  # they cancel
+
+
+def test_independent_batches_report_errors_and_coherence(tmp_path):
+    results = gradient_fidelity(tmp_path, DEMO, '--batch', '2', '--size', '32', '32',
+                                '--batches', '3')
+    found = results['presets']['config']['batches']
+    assert len(found['relative_errors']) == 3 and all(0 < e < 0.05
+                                                      for e in found['relative_errors'])
+    assert 0.0 < found['coherence'] < 3 ** 0.5
+    bad = run_tool('gradient_fidelity', DEMO, '--batches', '0')
+    assert bad.returncode != 0 and '--batches must be at least 1' in bad.stderr

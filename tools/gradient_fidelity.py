@@ -1,7 +1,8 @@
 """Mesa's parameter gradients next to the exact ones on one training step, with a yardstick.
 
     python tools/gradient_fidelity.py [CONFIG] [--presets config default paper ...]
-        [--batch 2] [--size 128 128] [--no-init-weights] [--draws 1] [--checkpoint PATH]
+        [--batch 2] [--size 128 128] [--no-init-weights] [--draws 1] [--batches 1]
+        [--checkpoint PATH]
         [--json PATH] [--cfg-options mesa.stochastic_rounding=False ...]
 
 Builds the config's model (random weights unless ``--checkpoint``; SyncBN reverted), takes the
@@ -17,6 +18,11 @@ of the same step, and prints:
 
 ``--draws N`` averages N Mesa steps (different stochastic-rounding draws): unbiased rounding
 makes the error of the mean fall like 1/sqrt(N), a bias would make it level off.
+``--batches K`` also measures one step on each of K independent batches (seeds 0 .. K-1) and
+prints each one's error and their coherence, ``||sum d_k|| / sqrt(sum ||d_k||^2)`` of the error
+vectors: about 1 when they are independent, sqrt(K) when every batch has the same error (a bias
+training would accumulate). It is the test for codes rounded to nearest, whose error no number of
+draws changes.
 ``config`` in ``--presets`` is the config's own ``mesa`` setting (the default preset for a plain
 mmseg config); ``--cfg-options mesa.KEY=VALUE`` changes it.
 """
@@ -33,11 +39,20 @@ from mmseg_mesa.bench.fidelity import (
     build_reference,
     gradients,
     measure,
+    measure_batches,
     mesa_config_for,
     relative_error,
     split,
 )
-from mmseg_mesa.bench.models import add_cfg_options, input_size, load_config, make_batch, write_json
+from mmseg_mesa.bench.models import (
+    add_cfg_options,
+    head_classes,
+    input_size,
+    load_config,
+    make_batch,
+    random_batch,
+    write_json,
+)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 
@@ -50,6 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument('--presets', nargs='+', default=['config'],
                         choices=['config', *PRESETS], help='MesaConfigs to measure')
     parser.add_argument('--draws', type=int, default=1)
+    parser.add_argument('--batches', type=int, default=1,
+                        help='also measure one step on each of this many independent batches')
     parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'),
                         help="input size; defaults to the config's crop_size")
@@ -58,7 +75,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument('--checkpoint', help='weights to load (an mmengine checkpoint)')
     parser.add_argument('--json', help='write the results as JSON here')
     add_cfg_options(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for key in ('draws', 'batches', 'batch'):
+        if getattr(args, key) < 1:
+            parser.error(f'--{key} must be at least 1, got {getattr(args, key)}')
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -91,6 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:<12}{row['draws']:6d}{row['relative_error']:12.5f}"
                   f"{row['relative_error'] / noise if noise else math.inf:9.3f}"
                   f"{row['worst_cosine']:14.6f}  {row['worst_parameter']}", flush=True)
+        if args.batches > 1:
+            batches = [random_batch(args.batch, size, head_classes(cfg.model.decode_head),
+                                    seed=seed) for seed in range(args.batches)]
+            entry['batches'] = found = measure_batches(reference, batches, config)
+            print(f"{name:<12}{args.batches} batches: rel. error "
+                  + ' '.join(f'{e:.4f}' for e in found['relative_errors'])
+                  + f"; coherence {found['coherence']:.2f} (1: independent, "
+                  f"{math.sqrt(args.batches):.2f}: one bias)", flush=True)
     write_json(results, args.json)
     return results
 

@@ -54,6 +54,36 @@ def worst_cosine(got: Gradients, exact: Gradients) -> float:
     return min(cosines(got, exact).values())
 
 
+def error_coherence(sum_of_errors: Gradients, sum_of_squares: float) -> float:
+    """``||sum_k d_k|| / sqrt(sum_k ||d_k||^2)`` of the gradient errors ``d_k`` of K independent
+    batches, from their sum and their summed squared norms: about 1 when they are independent
+    and unbiased, ``sqrt(K)`` when every batch's error is the same vector (a bias, which
+    training would accumulate step after step)."""
+    total = sum(d.double().pow(2).sum() for d in sum_of_errors.values())
+    return float((total / sum_of_squares).sqrt()) if sum_of_squares else 0.0
+
+
+def measure_batches(reference: torch.nn.Module, batches: list[tuple], config: Any) -> dict:
+    """Mesa's error on each of several independent batches (one step, one draw each), and how
+    coherent those errors are (``error_coherence``): what ``--draws`` cannot show for
+    deterministic (round-to-nearest) codes."""
+    from mmseg_mesa import convert_to_mesa
+    model = copy.deepcopy(reference)
+    convert_to_mesa(model, config=config)
+    errors: list[float] = []
+    summed: Gradients = {}
+    squares = 0.0
+    for batch in batches:
+        exact = gradients(copy.deepcopy(reference), batch)
+        got = gradients(model, batch)
+        errors.append(relative_error(got, exact))
+        for name, g in exact.items():
+            d = (got[name] - g if name in got else -g).double()
+            squares += float(d.pow(2).sum())
+            summed[name] = summed[name] + d if name in summed else d
+    return dict(relative_errors=errors, coherence=error_coherence(summed, squares))
+
+
 def build_reference(cfg: Any, init_weights: bool) -> torch.nn.Module:
     """The config's model on CPU in training mode; ``init_weights=False`` keeps the modules'
     construction-time values (zero position embeddings and class tokens in mmseg's ViTs)."""
