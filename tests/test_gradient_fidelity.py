@@ -32,6 +32,9 @@ def test_error_is_small_next_to_minibatch_noise_and_averages_out(tmp_path):
     # unbiased stochastic rounding: the mean of 4 draws has about half the error (a bias would
     # not shrink); slack for the finite sample
     assert last < 0.65 * first
+    # each draw alone is as far off as the first (the mean's error is what shrinks)
+    assert rows[0]['draw_error'] == first
+    assert all(0.5 * first < row['draw_error'] < 2 * first for row in rows)
     assert rows[-1]['worst_cosine'] > 0.9999
     ranked = rows[0]['cosines']
     assert rows[0]['worst_parameter'] in ranked and min(ranked.values()) == rows[0]['worst_cosine']

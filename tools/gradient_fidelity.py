@@ -9,7 +9,8 @@ Builds the config's model (random weights unless ``--checkpoint``; SyncBN revert
 exact gradient of one training step on a random batch, then for each preset the Mesa gradient
 of the same step, and prints:
 
-- the relative error of the whole parameter-gradient vector, ``||g_mesa - g|| / ||g||``;
+- the relative error of the whole parameter-gradient vector, ``||g_mesa - g|| / ||g||``, of the
+  mean over the draws so far and of the last draw alone;
 - the worst cosine over parameters whose exact gradient norm is at least 1e-3 of the largest
   (smaller ones are float noise around an exact zero), and which parameter it is;
 - as the yardstick, the minibatch noise: ``||g(A) - g(B)|| / ||g(A)||`` for the exact gradients
@@ -104,13 +105,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{results['config']}  size={size[0]}x{size[1]}  batch={args.batch}  "
           f"init_weights={args.init_weights}")
     print(f'minibatch noise (exact gradients of two batches): {noise:.4f}')
-    print(f'{"preset":<12}{"draws":>6}{"rel. error":>12}{"/ noise":>9}{"worst cosine":>14}  '
-          'parameter')
+    print(f'{"preset":<12}{"draws":>6}{"rel. error":>12}{"/ noise":>9}{"this draw":>11}'
+          f'{"worst cosine":>14}  parameter')
     for name, config in configs.items():
         results['presets'][name] = entry = measure(reference, batch, exact, config, args.draws)
         for row in entry['rows']:
             print(f"{name:<12}{row['draws']:6d}{row['relative_error']:12.5f}"
                   f"{row['relative_error'] / noise if noise else math.inf:9.3f}"
+                  f"{row['draw_error']:11.5f}"
                   f"{row['worst_cosine']:14.6f}  {row['worst_parameter']}", flush=True)
         if args.batches > 1:
             batches = [random_batch(args.batch, size, head_classes(cfg.model.decode_head),

@@ -106,7 +106,8 @@ def mesa_config_for(name: str, cfg: Any) -> Any:
 
 def measure(reference: torch.nn.Module, batch: tuple, exact: Gradients, config: Any,
             draws: int) -> dict:
-    """Mesa's error on ``batch`` for one MesaConfig, after each of ``draws`` steps (averaged)."""
+    """Mesa's error on ``batch`` for one MesaConfig, after each of ``draws`` steps: of their
+    mean (``relative_error``) and of that step alone (``draw_error``)."""
     from mmseg_mesa import convert_to_mesa
     model = copy.deepcopy(reference)
     convert_to_mesa(model, config=config)
@@ -119,6 +120,7 @@ def measure(reference: torch.nn.Module, batch: tuple, exact: Gradients, config: 
         per_param = cosines(mean, exact)
         worst = min(per_param, key=per_param.get)
         rows.append(dict(draws=draw, relative_error=relative_error(mean, exact),
+                         draw_error=relative_error(grads, exact),
                          worst_cosine=per_param[worst], worst_parameter=worst,
                          cosines=per_param))
     return dict(config=str(config), rows=rows)
