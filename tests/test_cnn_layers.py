@@ -27,6 +27,7 @@ from layer_cases import (
 from torch import nn
 
 from mmseg_mesa import (
+    MatMul,
     MesaAdaptiveAvgPool2d,
     MesaAvgPool2d,
     MesaBatchNorm2d,
@@ -384,6 +385,21 @@ def test_batch_norm_rounds_to_nearest_by_default_built_or_converted():
     # a layer built directly takes its type's bit width too, as a converted one does
     assert MesaConv2d(3, 4, 1, mesa_config=MesaConfig(layer_bits={'conv2d': 4})).quant_input \
         .spec.bits == 4
+
+
+def test_layer_classes_name_the_type_their_handler_converts():
+    """``mesa_layer_type`` (what a directly built layer resolves) and the handler's layer type
+    (what conversion resolves) are two statements of one fact: they must agree."""
+    from mmseg_mesa.layers.base import MesaModule
+    from mmseg_mesa.registry import find_handler
+    modules = [nn.Linear(2, 2), nn.Conv2d(2, 2, 1), nn.Conv1d(2, 2, 1), nn.GELU(),
+               nn.Softmax(-1), nn.LayerNorm(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2),
+               nn.GroupNorm(1, 2), nn.ConvTranspose2d(2, 2, 2, stride=2), MatMul()]
+    for module in modules:
+        handler, _ = find_handler(module)
+        convert_to_mesa(nn.Sequential(module))
+        assert isinstance(module, MesaModule), type(module).__name__
+        assert type(module).mesa_layer_type == handler.layer_type, type(module).__name__
 
 
 @pytest.mark.parametrize('bits', [8, 4])

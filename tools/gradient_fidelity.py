@@ -2,8 +2,7 @@
 
     python tools/gradient_fidelity.py [CONFIG] [--presets config default paper ...]
         [--batch 2] [--size 128 128] [--no-init-weights] [--draws 1] [--batches 1]
-        [--checkpoint PATH]
-        [--json PATH] [--cfg-options mesa.stochastic_rounding=False ...]
+        [--checkpoint PATH] [--json PATH] [--cfg-options mesa.stochastic_rounding=False ...]
 
 Builds the config's model (random weights unless ``--checkpoint``; SyncBN reverted), takes the
 exact gradient of one training step on a random batch, then for each preset the Mesa gradient
@@ -107,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f'minibatch noise (exact gradients of two batches): {noise:.4f}')
     print(f'{"preset":<12}{"draws":>6}{"rel. error":>12}{"/ noise":>9}{"this draw":>11}'
           f'{"worst cosine":>14}  parameter')
+    batches = [random_batch(args.batch, size, head_classes(cfg.model.decode_head), seed=seed)
+               for seed in range(args.batches)] if args.batches > 1 else []
     for name, config in configs.items():
         results['presets'][name] = entry = measure(reference, batch, exact, config, args.draws)
         for row in entry['rows']:
@@ -114,9 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['relative_error'] / noise if noise else math.inf:9.3f}"
                   f"{row['draw_error']:11.5f}"
                   f"{row['worst_cosine']:14.6f}  {row['worst_parameter']}", flush=True)
-        if args.batches > 1:
-            batches = [random_batch(args.batch, size, head_classes(cfg.model.decode_head),
-                                    seed=seed) for seed in range(args.batches)]
+        if batches:
             entry['batches'] = found = measure_batches(reference, batches, config)
             print(f"{name:<12}{args.batches} batches: rel. error "
                   + ' '.join(f'{e:.4f}' for e in found['relative_errors'])
