@@ -1,54 +1,26 @@
-"""mmseg-mesa: Mesa memory-saving training (`bits`-bit saved activations) for mmsegmentation."""
+"""mmseg-mesa: Mesa memory-saving training (`bits`-bit saved activations) for mmsegmentation.
+
+The public API is what ``__all__`` names. Layer classes are importable from
+``mmseg_mesa.layers``; the quantizer (``mmseg_mesa.quantizer``), memory reports
+(``mmseg_mesa.memory``) and the mmengine integration (``mmseg_mesa.integrations``) from their
+modules.
+"""
 from .version import __version__, check_supported_versions
 
 check_supported_versions()  # a clear error naming the range before any module needs newer torch
 
 from .config import MesaConfig
-from .convert import ConversionReport, convert_to_mesa, register_handler
-from .division import DivisionCompressor, DivisionPacked, DivisionSpec
+from .convert import ConversionReport, convert_to_mesa
 from .handlers import register_openmmlab_handlers_if_installed
-from .layers import (
-                     MatMul,
-                     MesaAdaptiveAvgPool2d,
-                     MesaAvgPool2d,
-                     MesaBatchNorm,
-                     MesaBatchNorm2d,
-                     MesaConv1d,
-                     MesaConv2d,
-                     MesaConvTranspose2d,
-                     MesaDropout,
-                     MesaELU,
-                     MesaGELU,
-                     MesaGroupNorm,
-                     MesaHardsigmoid,
-                     MesaHardswish,
-                     MesaHardtanh,
-                     MesaLayerNorm,
-                     MesaLeakyReLU,
-                     MesaLinear,
-                     MesaMatMul,
-                     MesaMaxPool2d,
-                     MesaModule,
-                     MesaPReLU,
-                     MesaReLU,
-                     MesaReLU6,
-                     MesaSigmoid,
-                     MesaSiLU,
-                     MesaSoftmax,
-                     MesaSyncBatchNorm,
-                     MesaTanh,
-)
-from .quantizer import ActivationQuantizer, Packed, QuantSpec, pack, unpack
+from .layers import MesaModule
+from .memory import count_saved_tensors
+from .registry import mesa_layer, register_handler
+from .training_state import restore_training_state, training_state
 
 register_openmmlab_handlers_if_installed()  # torch handlers register on import; these if installed
 
 __all__ = [
-    'MesaConfig', 'ConversionReport', 'convert_to_mesa', 'register_handler', 'MesaModule',
-    'MesaLinear', 'MesaConv2d', 'MesaGELU', 'MesaReLU', 'MesaSoftmax', 'MesaLayerNorm',
-    'MesaBatchNorm', 'MesaBatchNorm2d', 'MesaSyncBatchNorm', 'MatMul', 'MesaMatMul', 'MesaDropout',
-    'ActivationQuantizer', 'Packed', 'QuantSpec', 'pack', 'unpack', 'DivisionCompressor',
-    'DivisionPacked', 'DivisionSpec', '__version__',
-    'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
-    'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
-    'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d', 'MesaConv1d',
+    'MesaConfig', 'convert_to_mesa', 'ConversionReport', 'register_handler', 'mesa_layer',
+    'MesaModule', 'count_saved_tensors', 'training_state', 'restore_training_state',
+    '__version__',
 ]

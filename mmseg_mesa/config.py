@@ -1,8 +1,10 @@
 """The one configuration object of mmseg-mesa.
 
-A frozen dataclass, validated on construction and passed explicitly to every conversion; there is no
-global state. ``MesaConfig.from_cfg`` is the single place where an mmengine ``mesa=...`` value
-becomes a ``MesaConfig``.
+A frozen dataclass, validated on construction and passed explicitly to every conversion: no
+setting of how a model is compressed is process-wide (what is process-wide, the handler table
+and the like, is listed in ``mmseg_mesa.state``). ``MesaConfig.from_cfg`` is the single place
+where an mmengine ``mesa=...`` value becomes a ``MesaConfig``. The layer types it names are
+declared beside the layers' code (``mmseg_mesa.layer_types``).
 """
 from __future__ import annotations
 
@@ -12,6 +14,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .layer_types import (
+    default_layer_types,
+    default_nearest_rounding,
+    division_layer_types,
+    layer_types,
+)
+
 SUPPORTED_BITS = (2, 4, 8)
 BACKENDS = ('auto', 'cuda', 'torch')
 COMPRESSORS = ('mesa', 'division')
@@ -19,33 +28,6 @@ COMPRESSORS = ('mesa', 'division')
 # recomputes them from the 8-bit q, k and v, layers.attention_core); 'stored' keeps Mesa's 8-bit
 # copy of every map.
 ATTENTION_MAPS = ('recompute', 'stored')
-LAYER_TYPES = (
-    'linear', 'conv2d', 'gelu', 'softmax', 'layernorm', 'matmul', 'batchnorm', 'relu', 'dropout',
-    'droppath', 'attention', 'loss',
-    # 'activation': Hardtanh / ReLU6 / LeakyReLU / Hardsigmoid keep 1-bit masks whatever the bit
-    # width; PReLU, SiLU, Hardswish, Sigmoid, Tanh, ELU quantize what their backward reads.
-    # 'pooling': max pooling keeps each maximum's position in its window, average pooling nothing
-    # (both exact).
-    'activation', 'pooling', 'conv_transpose2d', 'groupnorm',
-    # element-wise products a module's forward computes itself (layer scale, gated attention)
-    'product',
-    'conv1d',
-)
-# Types converted only when ``layers`` names them: mmcv's drop_path keeps one number per sample
-# for backward, which its 1-bit mask does not usefully shrink, while the conversion costs a
-# Function call per block (3% of the demo model's step).
-OPT_IN_LAYER_TYPES = frozenset({'droppath'})
-DEFAULT_LAYER_TYPES = frozenset(LAYER_TYPES) - OPT_IN_LAYER_TYPES
-# Layer types whose saved activation is a feature map (channels x space or tokens x channels),
-# which DIVISION's low-pass + residual split applies to. Attention maps, attention operands and
-# masks keep Mesa's quantizer.
-DIVISION_LAYER_TYPES = ('linear', 'conv2d', 'gelu', 'layernorm', 'batchnorm')
-# Layer types whose codes round to nearest by default. BatchNorm's backward sums its normalized
-# input against the output gradient over every pixel of a channel and sends that one number back
-# to all of them, so the rounding error of the sum reaches every upstream weight in one
-# direction; nearest rounding has half the variance of stochastic rounding, and its bias measured
-# nothing over independent batches (docs/benchmarks.md).
-DEFAULT_NEAREST_ROUNDING = frozenset({'batchnorm'})
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -83,7 +65,8 @@ class MesaConfig:
             Defaults to True.
         bits: Bit width of saved activations (masks of ReLU/Dropout are always 1 bit).
             Defaults to 8, as in the paper.
-        layer_bits: Bit widths per layer type that override ``bits``, e.g.
+        layer_bits: Bit widths per layer type (``layer_types.layer_types()``) that override
+            ``bits``, e.g.
             ``{'gelu': 4}``; an ``'attention'`` entry also covers the matmuls and softmax inside
             converted attention modules unless those types have entries of their own.
             Defaults to none.
@@ -97,23 +80,26 @@ class MesaConfig:
         stochastic_rounding: Round stochastically (unbiased) instead of to nearest, in every
             layer type but those of ``nearest_rounding``. Defaults to True.
         nearest_rounding: Layer types whose codes round to nearest even where
-            ``stochastic_rounding`` is True. Defaults to ``{'batchnorm'}``
-            (``DEFAULT_NEAREST_ROUNDING``); ``()`` rounds every layer stochastically.
+            ``stochastic_rounding`` is True. Defaults to those declared so
+            (``layer_types.default_nearest_rounding()``: ``{'batchnorm'}``); ``()`` rounds every
+            layer stochastically.
         backend: ``'auto'`` uses the compiled kernels of the tensor's device (CPU or CUDA)
             when they are built, ``'cuda'`` requires the CUDA kernels (and CUDA tensors),
             ``'torch'`` always uses the pure-PyTorch reference; all give the same codes.
             Defaults to ``'auto'``.
-        layers: Layer types to compress, a subset of ``LAYER_TYPES``; ``'loss'`` makes decode
-            heads keep only their low-resolution logits for the loss (exact recomputation, no
-            quantization), UPerHead fuse its FPN outputs without holding them twice and drop
-            the feature levels it has read (through ``EncoderDecoder``).
-            Defaults to all of them but ``OPT_IN_LAYER_TYPES`` (``'droppath'``).
+        layers: Layer types to compress, a subset of ``layer_types.layer_types()``;
+            ``'loss'`` makes decode heads keep only their low-resolution logits for the loss
+            (exact recomputation, no quantization), UPerHead fuse its FPN outputs without
+            holding them twice and drop the feature levels it has read (through
+            ``EncoderDecoder``).
+            Defaults to all of them but the opt-in ones (``'droppath'``).
         skip: ``fnmatch`` patterns of qualified module names left unconverted. Defaults to ().
         compressor: ``'mesa'`` (the ``bits``-bit quantizer) or ``'division'`` (DIVISION's
             low-pass copy plus a low-bit residual, see ``mmseg_mesa.division``) for every layer
-            of a type in ``DIVISION_LAYER_TYPES``; other types always use Mesa's quantizer.
+            of a type whose saved activation is a feature map
+            (``layer_types.division_layer_types()``); other types always use Mesa's quantizer.
             Defaults to ``'mesa'``.
-        division: Layer types (from ``DIVISION_LAYER_TYPES``) that use DIVISION whatever
+        division: Layer types (from ``division_layer_types()``) that use DIVISION whatever
             ``compressor`` says. Defaults to none.
         division_modules: ``fnmatch`` patterns of qualified module names that use DIVISION
             (matching modules of other types keep Mesa's quantizer). Defaults to ().
@@ -132,9 +118,9 @@ class MesaConfig:
     group_size: int = 1
     ema_decay: float = 0.9
     stochastic_rounding: bool = True
-    nearest_rounding: frozenset[str] = DEFAULT_NEAREST_ROUNDING
+    nearest_rounding: frozenset[str] = field(default_factory=default_nearest_rounding)
     backend: str = 'auto'
-    layers: frozenset[str] = field(default_factory=lambda: DEFAULT_LAYER_TYPES)
+    layers: frozenset[str] = field(default_factory=default_layer_types)
     skip: tuple[str, ...] = ()
     layer_bits: tuple[tuple[str, int], ...] = ()
     compressor: str = 'mesa'
@@ -158,10 +144,10 @@ class MesaConfig:
         if not isinstance(self.stochastic_rounding, bool):
             _fail('stochastic_rounding', self.stochastic_rounding, 'True or False')
         object.__setattr__(self, 'nearest_rounding',
-                           _types('nearest_rounding', self.nearest_rounding, LAYER_TYPES))
+                           _types('nearest_rounding', self.nearest_rounding, layer_types()))
         if self.backend not in BACKENDS:
             _fail('backend', self.backend, ', '.join(BACKENDS))
-        object.__setattr__(self, 'layers', _types('layers', self.layers, LAYER_TYPES))
+        object.__setattr__(self, 'layers', _types('layers', self.layers, layer_types()))
         object.__setattr__(self, 'skip', _patterns('skip', self.skip))
         layer_bits = self.layer_bits
         items = layer_bits.items() if isinstance(layer_bits, Mapping) else layer_bits
@@ -169,7 +155,7 @@ class MesaConfig:
             layer_bits = dict(items)
         except (TypeError, ValueError):
             _fail('layer_bits', self.layer_bits, 'a mapping of layer type to bit width')
-        _types('layer_bits', layer_bits, LAYER_TYPES)
+        _types('layer_bits', layer_bits, layer_types())
         bad = {k: v for k, v in layer_bits.items() if not _is_bits(v)}
         if bad:
             _fail('layer_bits', bad, 'bit widths ' + ', '.join(map(str, SUPPORTED_BITS)))
@@ -177,7 +163,7 @@ class MesaConfig:
         if self.compressor not in COMPRESSORS:
             _fail('compressor', self.compressor, ', '.join(COMPRESSORS))
         object.__setattr__(self, 'division',
-                           _types('division', self.division, DIVISION_LAYER_TYPES))
+                           _types('division', self.division, division_layer_types()))
         object.__setattr__(self, 'division_modules',
                            _patterns('division_modules', self.division_modules))
         if isinstance(self.division_block, bool) or not isinstance(self.division_block, int) \
@@ -196,10 +182,10 @@ class MesaConfig:
         ``stochastic_rounding`` False where ``nearest_rounding`` names the type, and
         ``compressor`` ``'division'`` or ``'mesa'`` for this module, so layers only read those.
         """
-        if layer_type not in LAYER_TYPES:
+        if layer_type not in layer_types():
             raise ValueError(f'MesaConfig.for_layer: unknown layer type {layer_type!r}; '
-                             f'known: {", ".join(LAYER_TYPES)}')
-        division = layer_type in DIVISION_LAYER_TYPES and (
+                             f'known: {", ".join(layer_types())}')
+        division = layer_type in division_layer_types() and (
             self.compressor == 'division' or layer_type in self.division
             or any(fnmatch.fnmatchcase(name, p) for p in self.division_modules))
         return dataclasses.replace(
@@ -214,7 +200,11 @@ class MesaConfig:
         (``RENAMED_PRESETS``) fails with its new one, a removed one (``REMOVED_PRESETS``) with
         the reason."""
         check_preset(name)
-        return cls(**{**PRESETS[name], **overrides})
+        fields = dict(PRESETS[name])
+        without = fields.pop('without_layers', ())
+        if without:
+            fields['layers'] = default_layer_types() - set(without)
+        return cls(**{**fields, **overrides})
 
     @classmethod
     def from_cfg(cls, value: bool | Mapping[str, Any] | MesaConfig | None) -> MesaConfig | None:
@@ -245,10 +235,12 @@ class MesaConfig:
 
 # Named presets: fields that differ from MesaConfig's defaults. Their memory ratios and demo
 # fidelity are measured in docs/benchmarks.md (`tools/benchmark_memory.py` runs each as a mode).
+# ``without_layers`` removes layer types from the default ``layers`` (which are known only once
+# the layers are imported).
 PRESETS: dict[str, dict[str, Any]] = {
     # The paper's Mesa: the default layer types but 'loss' (the decode head's loss is left as it
     # is), and an 8-bit copy of every attention map.
-    'paper': dict(layers=DEFAULT_LAYER_TYPES - {'loss'}, attention_maps='stored'),
+    'paper': dict(without_layers=('loss',), attention_maps='stored'),
     # MesaConfig(), what ``mesa = True`` gives: the paper's layers plus the exact low-resolution
     # loss (layer type 'loss').
     'default': {},
@@ -259,14 +251,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Presets under a former name: asking for one fails with its new name.
 RENAMED_PRESETS = {'mesa': 'paper'}
 # Presets that were removed, and why: asking for one fails with the reason. No preset uses
-# sub-byte codes: 4 bits on LayerNorm's input alone saved 2 MiB on Swin-T UPerNet's 1324 MiB step
-# (the Linear after each norm packs 8-bit codes of its own), on any other input they measured a
-# whole-gradient error near or above 0.10, and no preset uses DIVISION (it cost mIoU on the demo).
+# sub-byte codes: on LayerNorm's input alone they save next to nothing (the Linear after each
+# norm packs 8-bit codes of its own), on any other input they cost the whole-gradient error an
+# order of magnitude; no preset uses DIVISION (it cost mIoU on the demo). Figures:
+# docs/benchmarks.md.
 REMOVED_PRESETS = {
     'max-saving': "it saved no memory: its 4-bit LayerNorm codes cannot serve the 8-bit Linear "
-                  "after each norm (Swin-T UPerNet's step peak 1322 MiB against the default's "
-                  "1324); layer_bits=dict(layernorm=4) gives the same config, and activation "
-                  "checkpointing with the default a smaller step (docs/benchmarks.md)",
+                  "after each norm, so Swin-T UPerNet's step peak was the default's "
+                  "(docs/benchmarks.md); layer_bits=dict(layernorm=4) gives the same config, and "
+                  "activation checkpointing with the default a smaller step",
 }
 
 

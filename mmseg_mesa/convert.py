@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from .config import OPT_IN_LAYER_TYPES, MesaConfig
+from .config import MesaConfig
+from .layer_types import opt_in_layer_types
 from .layers.base import MesaModule
 from .quantizer import ActivationQuantizer
 from .registry import Handler, find_handler, register_alias, register_handler, supported_types
@@ -65,7 +66,7 @@ def _skip_reason(module: nn.Module, name: str, handler: Handler, config: MesaCon
         if fnmatch.fnmatchcase(name, pattern):
             return f'skipped by pattern {pattern!r}'
     if handler.layer_type not in config.layers:
-        if handler.layer_type in OPT_IN_LAYER_TYPES:
+        if handler.layer_type in opt_in_layer_types():
             return (f'layer type {handler.layer_type!r} is converted only when config.layers '
                     'names it (it keeps too little for backward to gain)')
         return f'layer type {handler.layer_type!r} not in config.layers'

@@ -7,23 +7,34 @@ define a method the Mesa class replaces (``Handler.replaces``; for ``nn.Conv2d``
 would silently drop its own forward (mmcv's ``Conv2dAdaptivePadding`` pads in ``forward``).
 Subclasses whose override is known to change nothing on the running torch (mmcv's ``Linear`` /
 ``Conv2d`` wrappers) are declared with ``register_alias``; others get handlers of their own.
+
+A Mesa layer registers itself where it is defined, with the ``mesa_layer`` class decorator: that
+one line names the module type it replaces and its layer type, and the handler, the layer type's
+declaration and the export from ``mmseg_mesa.layers`` all follow from it.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from torch import nn
 
-from .config import MesaConfig
+from .layer_types import declare_layer_type
+from .state import ALIASES as _ALIASES
+from .state import HANDLER_TABLES as _TABLES
+from .state import HANDLERS as _HANDLERS
+from .state import LAYER_CLASSES as _LAYER_CLASSES
 
 if TYPE_CHECKING:
+    from .config import MesaConfig
     from .layers.base import MesaModule
+
+L = TypeVar('L', bound=type)
 
 # convert(module, config) converts in place; it may return names (relative to the module) of
 # children it took care of itself, e.g. an attention's out_proj used through its weight.
-Converter = Callable[[nn.Module, MesaConfig], Iterable[str] | None]
+Converter = Callable[[nn.Module, 'MesaConfig'], Iterable[str] | None]
 # check(module) returns why a module cannot be converted, or None.
 Checker = Callable[[nn.Module], str | None]
 
@@ -47,11 +58,6 @@ class Handler:
     replaces: tuple[str, ...] = ('forward',)
 
 
-_HANDLERS: dict[type, Handler] = {}
-_ALIASES: dict[type, type] = {}
-_TABLES: set[str] = set()  # names of the built-in tables registered so far (register_once)
-
-
 def register_handler(module_type: type, layer_type: str, convert: Converter,
                      check: Checker | None = None,
                      replaces: tuple[str, ...] = ('forward',), force: bool = False) -> None:
@@ -68,7 +74,48 @@ def register_handler(module_type: type, layer_type: str, convert: Converter,
         raise KeyError(f'register_handler: {module_type.__qualname__} already has a handler '
                        f'(layer type {_HANDLERS[module_type].layer_type!r}); pass force=True to '
                        'replace it')
+    declare_layer_type(layer_type)
     _HANDLERS[module_type] = Handler(layer_type, convert, check, tuple(replaces))
+
+
+def mesa_layer(module_type: type, layer_type: str, check: Checker | None = None,
+               replaces: tuple[str, ...] = ('forward',), covers: tuple[str, ...] = (),
+               **properties: bool) -> Callable[[L], L]:
+    """Class decorator: the decorated Mesa class is what ``module_type`` converts to.
+
+    It registers the class-swap handler (``register_handler``; see it for ``check`` and
+    ``replaces``; ``covers``: see ``swap_to``), declares ``layer_type`` with ``properties``
+    (``LayerType``'s ``division``, ``nearest_rounding``, ``opt_in``; one declaration of a type
+    carries them), sets the class's ``mesa_layer_type`` (the settings a directly built layer
+    takes from its config) and exports the class from ``mmseg_mesa.layers``. Stack it to convert
+    several module types to one class. Re-running a module's definitions (a reload) replaces its
+    own registrations, as they are the same statements.
+
+    Raises:
+        KeyError: ``module_type`` has a handler from elsewhere.
+    """
+
+    def register(cls: L) -> L:
+        known = _HANDLERS.get(module_type)
+        same_statement = known is not None and getattr(known.convert, 'mesa_class', None) \
+            is not None and _qualified(known.convert.mesa_class) == _qualified(cls)
+        declare_layer_type(layer_type, **properties)
+        cls.mesa_layer_type = layer_type
+        register_handler(module_type, layer_type, swap_to(cls, covers), check, replaces,
+                         force=same_statement)
+        _LAYER_CLASSES[cls.__name__] = cls
+        return cls
+
+    return register
+
+
+def _qualified(cls: type) -> str:
+    return f'{cls.__module__}.{cls.__qualname__}'
+
+
+def layer_classes() -> dict[str, type]:
+    """The classes registered with ``mesa_layer``, by name."""
+    return dict(_LAYER_CLASSES)
 
 
 def register_once(table: str, register: Callable[[], None]) -> None:
@@ -83,12 +130,16 @@ def register_once(table: str, register: Callable[[], None]) -> None:
         _TABLES.add(table)
 
 
-def swap_to(mesa_cls: type[MesaModule]) -> Converter:
-    """A converter that class-swaps a module into ``mesa_cls`` and covers no children."""
+def swap_to(mesa_cls: type[MesaModule], covers: tuple[str, ...] = ()) -> Converter:
+    """A converter that class-swaps a module into ``mesa_cls``; ``covers`` names the children
+    the Mesa class takes care of itself (an attention's ``out_proj``, used through its
+    weight)."""
 
-    def convert(module: nn.Module, config: MesaConfig) -> None:
+    def convert(module: nn.Module, config: MesaConfig) -> tuple[str, ...]:
         mesa_cls.convert(module, config)
+        return covers
 
+    convert.mesa_class = mesa_cls  # type: ignore[attr-defined]
     return convert
 
 

@@ -3,9 +3,10 @@
 An attention map is saved by its softmax and again by ``attn @ v``; a GELU's input by the GELU
 and its output by the next Linear; a LayerNorm's normalized input by the norm and its output (a
 per-channel affine of it) by the next Linear; UPerHead's fused FPN outputs by their own convs
-and by the bottleneck. The layer that packs first attaches its codes to the tensor
-(``attach_codes``); a later layer that saves the same tensor takes them (``packed_reusing``)
-when they are what its own quantizer would store, and packs again otherwise.
+and by the bottleneck. The layer that packs first offers its codes for the tensor
+(``attach_codes``, through the hand-off ``handoff.CODES``); a later layer that saves the same
+tensor takes them (``packed_reusing``) when they are what its own quantizer would store, and
+packs again otherwise.
 
 ``count_reuse`` makes that visible: per layer type, how many saves took attached codes (hits),
 how many found codes they could not use (misses, with the reason: a preset whose 4-bit norm
@@ -23,13 +24,15 @@ import torch
 from torch import nn
 
 from .codes import Codes, QuantSpec
+from .handoff import CODES
+from .state import REUSE_COUNTERS as _COUNTING
 
 __all__ = ['ReuseCounts', 'attach_codes', 'attached_codes', 'count_reuse', 'packed_reusing']
 
 
 def attach_codes(x: torch.Tensor, packed: Codes) -> None:
     """Offer ``packed`` (codes that decode to ``x``) to the next layer that saves ``x``."""
-    x._mesa_codes = (packed, x._version)  # type: ignore[attr-defined]
+    CODES.offer(x, (packed, x._version))
 
 
 def mismatch(x: torch.Tensor, packed: Codes, version: int, spec: QuantSpec) -> str | None:
@@ -54,7 +57,7 @@ def attached_codes(x: torch.Tensor, spec: QuantSpec,
 
     ``dtype`` is what they decode to (the layer's compute dtype; ``x``'s by default).
     """
-    found = getattr(x, '_mesa_codes', None)
+    found = CODES.get(x)
     if found is None or mismatch(x, found[0], found[1], spec) is not None:
         return None
     packed = found[0]
@@ -79,7 +82,6 @@ class ReuseCounts:
         return '\n'.join(lines)
 
 
-_COUNTING: list[tuple[ReuseCounts, dict[int, str]]] = []
 
 
 @contextlib.contextmanager
@@ -124,7 +126,7 @@ def packed_reusing(x: torch.Tensor, cast: torch.Tensor, quantizer: Any) -> Codes
                 _record(quantizer, 'hit')
             return found
         if _COUNTING:
-            offered = getattr(x, '_mesa_codes', None)
+            offered = CODES.get(x)
             _record(quantizer, 'none' if offered is None else 'miss', None if offered is None
                     else mismatch(x, offered[0], offered[1], quantizer.spec))
     return quantizer.pack(cast)

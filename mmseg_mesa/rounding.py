@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .state import ROUNDING_STREAMS as _STREAMS_BY_DEVICE
+
 SEED_SALT = 0x5EED_3E5A
 MASK64 = (1 << 64) - 1
 DRAWS_PER_BLOCK = 4  # one Philox4x32 block gives four 32-bit words
@@ -28,7 +30,6 @@ class _Stream:
     offset: int      # counter of the next call's first block, 64 bits
 
 
-_STREAMS: dict[torch.device, _Stream] = {}
 _CPU = torch.device('cpu')
 
 
@@ -53,10 +54,10 @@ def rounding_counter(device: torch.device | str, numel: int) -> tuple[int, int]:
     """
     key = _CPU if device == 'cpu' or device == _CPU else _device_key(device)
     torch_seed = torch.cuda.initial_seed() if key.type == 'cuda' else torch.initial_seed()
-    stream = _STREAMS.get(key)
+    stream = _STREAMS_BY_DEVICE.get(key)
     if stream is None or stream.torch_seed != torch_seed:
         stream = _Stream(torch_seed, (torch_seed ^ SEED_SALT) & MASK64, 0)
-        _STREAMS[key] = stream
+        _STREAMS_BY_DEVICE[key] = stream
     offset = stream.offset
     stream.offset = (offset + -(-numel // DRAWS_PER_BLOCK)) & MASK64
     return stream.seed, offset
@@ -64,7 +65,7 @@ def rounding_counter(device: torch.device | str, numel: int) -> tuple[int, int]:
 
 def reset_rounding_generators() -> None:
     """Restart stochastic rounding streams at the next use (from the current torch seed)."""
-    _STREAMS.clear()
+    _STREAMS_BY_DEVICE.clear()
 
 
 def rounding_state() -> dict[str, list[int]]:
@@ -72,7 +73,7 @@ def rounding_state() -> dict[str, list[int]]:
     CUDA, the current device's), for a checkpoint: a resumed run restores it with
     ``restore_rounding_state`` and draws what the uninterrupted run would have drawn."""
     state = {}
-    for key, stream in _STREAMS.items():
+    for key, stream in _STREAMS_BY_DEVICE.items():
         if key.type == 'cuda' and key != _device_key('cuda'):
             continue
         state[key.type] = [stream.torch_seed, stream.seed, stream.offset]
@@ -102,4 +103,4 @@ def restore_rounding_state(state: dict[str, list[int]]) -> None:
             continue
         key = _CPU if kind == 'cpu' else _device_key('cuda')
         torch_seed, seed, offset = values
-        _STREAMS[key] = _Stream(torch_seed, seed & MASK64, offset & MASK64)
+        _STREAMS_BY_DEVICE[key] = _Stream(torch_seed, seed & MASK64, offset & MASK64)

@@ -16,6 +16,7 @@ import torch
 from . import _backend
 from .bitpack import pack_mask, unpack_mask
 from .codes import Codes, is_codes
+from .handoff import SAVED_LABEL
 
 
 def _mask_kernels(t: torch.Tensor) -> ModuleType | None:
@@ -73,7 +74,7 @@ SOFTMAX_OUTPUT = 'softmax output'  # attention maps, among others
 
 def saved_label(t: torch.Tensor) -> str | None:
     """The label ``save`` gave ``t`` (what it is, for saved-bytes reports), or None."""
-    return getattr(t, '_mesa_label', None)
+    return SAVED_LABEL.get(t)
 
 
 def save(ctx: Any, *items: Saveable, label: str | None = None) -> None:
@@ -93,11 +94,9 @@ def save(ctx: Any, *items: Saveable, label: str | None = None) -> None:
             layout.append(('tensor', 1, None))
             flat.append(item)
     if label is not None:
-        # autograd packs a custom Function's saved tensors after its forward returns, so the
-        # label travels on the tensors themselves
         for t in flat:
             if t is not None:
-                t._mesa_label = label  # type: ignore[attr-defined]
+                SAVED_LABEL.offer(t, label)
     ctx.save_for_backward(*flat)
     ctx.mesa_layout = layout
 

@@ -9,9 +9,9 @@ import torch
 from conftest import cosine
 from torch import nn
 
-from mmseg_mesa import (
+from mmseg_mesa import MesaConfig
+from mmseg_mesa.layers import (
     MesaBatchNorm,
-    MesaConfig,
     MesaConv2d,
     MesaDropout,
     MesaGELU,

@@ -26,12 +26,11 @@ from layer_cases import (
 )
 from torch import nn
 
-from mmseg_mesa import (
-    MatMul,
+from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.layers import (
     MesaAdaptiveAvgPool2d,
     MesaAvgPool2d,
     MesaBatchNorm2d,
-    MesaConfig,
     MesaConv1d,
     MesaConv2d,
     MesaConvTranspose2d,
@@ -47,7 +46,6 @@ from mmseg_mesa import (
     MesaSigmoid,
     MesaSiLU,
     MesaTanh,
-    convert_to_mesa,
 )
 from mmseg_mesa.memory import count_saved_tensors
 from mmseg_mesa.quantizer import reset_rounding_generators
@@ -387,21 +385,6 @@ def test_batch_norm_rounds_to_nearest_by_default_built_or_converted():
         .spec.bits == 4
 
 
-def test_layer_classes_name_the_type_their_handler_converts():
-    """``mesa_layer_type`` (what a directly built layer resolves) and the handler's layer type
-    (what conversion resolves) are two statements of one fact: they must agree."""
-    from mmseg_mesa.layers.base import MesaModule
-    from mmseg_mesa.registry import find_handler
-    modules = [nn.Linear(2, 2), nn.Conv2d(2, 2, 1), nn.Conv1d(2, 2, 1), nn.GELU(),
-               nn.Softmax(-1), nn.LayerNorm(2), nn.BatchNorm2d(2), nn.SyncBatchNorm(2),
-               nn.GroupNorm(1, 2), nn.ConvTranspose2d(2, 2, 2, stride=2), MatMul()]
-    for module in modules:
-        handler, _ = find_handler(module)
-        convert_to_mesa(nn.Sequential(module))
-        assert isinstance(module, MesaModule), type(module).__name__
-        assert type(module).mesa_layer_type == handler.layer_type, type(module).__name__
-
-
 @pytest.mark.parametrize('bits', [8, 4])
 def test_conv_weight_gradient_decodes_a_large_input_by_samples(monkeypatch, bits):
     """Above ``DECODE_CHUNK_BYTES`` the weight gradient is summed over chunks of samples: the
@@ -409,7 +392,7 @@ def test_conv_weight_gradient_decodes_a_large_input_by_samples(monkeypatch, bits
     (a full fp32 copy of the bottleneck input was the peak of Swin-T UPerNet's backward)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    import mmseg_mesa.layers.base as base
+    import mmseg_mesa.layers.chunking as chunking
     from mmseg_mesa.layers.conv import MesaConv2d
 
     torch.manual_seed(0)
@@ -419,7 +402,7 @@ def test_conv_weight_gradient_decodes_a_large_input_by_samples(monkeypatch, bits
     grad = torch.randn(4, 8, 64, 64)
 
     def weight_grad(chunk_bytes):
-        monkeypatch.setattr(base, 'DECODE_CHUNK_BYTES', chunk_bytes)
+        monkeypatch.setattr(chunking, 'DECODE_CHUNK_BYTES', chunk_bytes)
         layer = copy.deepcopy(conv)  # the same running estimates
         reset_rounding_generators()  # and the same rounding draws
         y = layer(x)
@@ -445,7 +428,7 @@ def test_batch_norm_in_eval_mode_keeps_no_input_for_the_input_gradient(affine, t
     """mmdet's ResNets: ``norm_eval``, the affine frozen or not. The forward is torch's, the
     input and bias gradients torch's (the same products); a frozen affine keeps one float per
     channel where torch keeps the whole input, a trainable weight the packed normalized input."""
-    from mmseg_mesa import MesaBatchNorm
+    from mmseg_mesa.layers import MesaBatchNorm
     ref = nn.BatchNorm2d(6, affine=affine)
     with torch.no_grad():
         ref.running_mean.uniform_(-1, 1)

@@ -3,7 +3,9 @@ import dataclasses
 import pytest
 
 from mmseg_mesa import MesaConfig
-from mmseg_mesa.config import LAYER_TYPES
+from mmseg_mesa.layer_types import layer_types
+
+LAYER_TYPES = layer_types()
 
 
 def test_defaults_are_the_papers():

@@ -5,15 +5,8 @@ import torch
 from conftest import cosine
 from torch import nn
 
-from mmseg_mesa import (
-    MatMul,
-    MesaAdaptiveAvgPool2d,
-    MesaConfig,
-    MesaLinear,
-    MesaModule,
-    convert_to_mesa,
-    register_handler,
-)
+from mmseg_mesa import MesaConfig, MesaModule, convert_to_mesa, register_handler
+from mmseg_mesa.layers import MatMul, MesaAdaptiveAvgPool2d, MesaLinear
 from mmseg_mesa.memory import count_saved_tensors
 
 
@@ -199,15 +192,18 @@ def test_a_second_handler_for_a_type_needs_force(tables):
     register_alias(Wrapped, nn.Linear, force=True)
 
 
+OPENMMLAB = ('mmcv', 'mmengine', 'mmseg', 'mmdet', 'mmpretrain')
+
+
 def test_builtin_tables_register_each_type_once(tables):
-    from mmseg_mesa.handlers import register_torch_handlers
     expected = set(tables._HANDLERS), set(tables._ALIASES)
-    tables._HANDLERS.clear()
-    tables._ALIASES.clear()
-    register_torch_handlers()  # a type registered twice would raise
     if 'openmmlab' in tables._TABLES:
         from mmseg_mesa.integrations.mmseg_handlers import register_openmmlab_handlers
-        register_openmmlab_handlers()
+        for module_type in [*tables._HANDLERS]:
+            if module_type.__module__.split('.')[0] in OPENMMLAB:
+                del tables._HANDLERS[module_type]
+        tables._ALIASES.clear()
+        register_openmmlab_handlers()  # a type registered twice would raise
     assert (set(tables._HANDLERS), set(tables._ALIASES)) == expected
 
 
@@ -217,7 +213,59 @@ def test_reimporting_registers_nothing_twice(tables):
     import mmseg_mesa
     import mmseg_mesa.handlers
     before = dict(tables._HANDLERS), dict(tables._ALIASES)
-    importlib.reload(mmseg_mesa.handlers)  # its import registers the torch handlers
+    importlib.reload(mmseg_mesa.handlers)
     importlib.reload(mmseg_mesa)  # which registers the OpenMMLab ones, when installed
     mmseg_mesa.handlers.register_openmmlab_handlers_if_installed()
     assert (tables._HANDLERS, tables._ALIASES) == before
+
+
+def test_a_layer_registers_itself_beside_its_code(tables, monkeypatch):
+    """``mesa_layer`` on a class is its whole registration: handler, layer type, export, and
+    the type's settings for a layer built directly; running the same definition again (a
+    reload) replaces it, another class for the same module type needs ``force``."""
+    from mmseg_mesa import state
+    from mmseg_mesa.layer_types import layer_types
+    from mmseg_mesa.registry import find_handler, layer_classes, mesa_layer
+    monkeypatch.setattr(tables, '_LAYER_CLASSES', dict(tables._LAYER_CLASSES))
+    monkeypatch.setattr(state, 'LAYER_TYPES', dict(state.LAYER_TYPES))
+    import mmseg_mesa.layer_types as types_module
+    monkeypatch.setattr(types_module, '_DECLARED', state.LAYER_TYPES)
+
+    class Twice(nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    def define():
+        @mesa_layer(Twice, 'twice_test')
+        class MesaTwice(MesaModule, Twice):
+            pass
+        return MesaTwice
+
+    first = define()
+    assert 'twice_test' in layer_types()
+    assert first.mesa_layer_type == 'twice_test'
+    assert layer_classes()['MesaTwice'] is first
+    module = nn.Sequential(Twice())
+    report = convert_to_mesa(module, config=MesaConfig(layers={'twice_test'}))
+    assert type(module[0]) is first and report.converted['0'] == ('Twice', 'MesaTwice')
+    second = define()  # the same statement once more
+    assert find_handler(Twice())[0].convert.mesa_class is second
+
+    class Other(MesaModule, Twice):
+        pass
+    with pytest.raises(KeyError, match='Twice already has a handler'):
+        mesa_layer(Twice, 'twice_test')(Other)
+
+
+def test_a_layer_type_keeps_one_set_of_properties(monkeypatch):
+    from mmseg_mesa import state
+    from mmseg_mesa.layer_types import declare_layer_type, division_layer_types
+    monkeypatch.setattr(state, 'LAYER_TYPES', dict(state.LAYER_TYPES))
+    import mmseg_mesa.layer_types as types_module
+    monkeypatch.setattr(types_module, '_DECLARED', state.LAYER_TYPES)
+    declare_layer_type('props_test')  # as register_handler declares it
+    declare_layer_type('props_test', division=True)  # the declaration with its properties
+    declare_layer_type('props_test')  # changes nothing
+    assert 'props_test' in division_layer_types()
+    with pytest.raises(ValueError, match="'props_test' is declared twice, differently"):
+        declare_layer_type('props_test', nearest_rounding=True)

@@ -6,8 +6,9 @@ import torch
 from conftest import cosine
 from torch import nn
 
-from mmseg_mesa import MesaBatchNorm, MesaConfig, MesaConv2d, MesaLinear
+from mmseg_mesa import MesaConfig
 from mmseg_mesa.division import DivisionCompressor, DivisionPacked, DivisionSpec, spatial_view
+from mmseg_mesa.layers import MesaBatchNorm, MesaConv2d, MesaLinear
 from mmseg_mesa.memory import count_saved_tensors
 from mmseg_mesa.quantizer import ActivationQuantizer, QuantSpec, unpack
 

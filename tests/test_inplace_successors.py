@@ -21,7 +21,8 @@ from test_cnn_layers import CASES as CNN_CASES
 from torch import nn
 
 import mmseg_mesa
-from mmseg_mesa import MesaConfig, MesaReLU
+from mmseg_mesa import MesaConfig
+from mmseg_mesa.layers import MesaReLU
 from mmseg_mesa.quantizer import reset_rounding_generators
 
 ALL_CASES = CASES + CNN_CASES

@@ -26,7 +26,8 @@ from layer_cases import (
 )
 from torch import nn
 
-from mmseg_mesa import MesaConfig, MesaLayerNorm, MesaLinear, MesaReLU, convert_to_mesa
+from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.layers import MesaLayerNorm, MesaLinear, MesaReLU
 
 FIRST_STEP_SQNR_DB = 35.0
 SETTLED_SQNR_DB = 35.0
@@ -130,7 +131,7 @@ def test_inplace_relu_modifies_its_input():
 def test_batchnorm_updates_running_statistics_and_checks_its_input_as_torch_does():
     """Mesa's batch norm takes its moments from torch's own kernel where it can (CPU): the
     output, the running statistics and the error for one value per channel stay torch's."""
-    from mmseg_mesa import MesaBatchNorm2d
+    from mmseg_mesa.layers import MesaBatchNorm2d
     ref = nn.BatchNorm2d(16, momentum=None)
     ours = MesaBatchNorm2d.convert(copy.deepcopy(ref), MesaConfig())
     for _ in range(3):
@@ -153,7 +154,7 @@ def small_and_large_backward(monkeypatch, layer, x, grad, owner, sequential_step
     tensors and with the in-place, chunked one, from the same codes and rounding draws; each
     run checks which path it took by counting the calls of ``owner.sequential_step``, a
     function only the in-place path calls."""
-    import mmseg_mesa.layers.base as base
+    import mmseg_mesa.layers.formulas as formulas
     import mmseg_mesa.layers.norm_backward as norm_backward
     from mmseg_mesa.quantizer import reset_rounding_generators
     step = getattr(owner, sequential_step)
@@ -162,7 +163,7 @@ def small_and_large_backward(monkeypatch, layer, x, grad, owner, sequential_step
                         lambda *args, **kwargs: calls.append(1) or step(*args, **kwargs))
     results = []
     for limit, expected_calls in ((1 << 40, 0), (0, 1)):
-        for module in (base, norm_backward):
+        for module in (formulas, norm_backward):
             monkeypatch.setattr(module, 'FUSED_BACKWARD_BYTES', limit)
         ours = copy.deepcopy(layer)  # the same running estimates
         reset_rounding_generators()
@@ -206,7 +207,7 @@ def test_small_batchnorm_backward_through_torch_kernels_matches_the_in_place_one
     and forms the gradients with torch's fused batch-norm kernels; above it with in-place
     formulas by chunks of samples. The same gradients to float rounding, and the input gradient
     stays orthogonal to per-channel constants either way."""
-    from mmseg_mesa import MesaBatchNorm2d
+    from mmseg_mesa.layers import MesaBatchNorm2d
     torch.manual_seed(0)
     layer = MesaBatchNorm2d(16, affine=affine, mesa_config=MesaConfig()).train()
     if affine:

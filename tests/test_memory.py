@@ -11,7 +11,8 @@ import torch
 from tool_runs import run_tool
 from torch import nn
 
-from mmseg_mesa import MesaConfig, MesaConv2d, MesaLinear, convert_to_mesa
+from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.layers import MesaConv2d, MesaLinear
 from mmseg_mesa.memory import BatchPlan, count_saved_tensors, format_bytes, parse_bytes
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))

@@ -3,8 +3,9 @@ import pytest
 from torch import nn
 
 from mmseg_mesa import MesaConfig, convert_to_mesa
-from mmseg_mesa.config import DIVISION_LAYER_TYPES, LAYER_TYPES, PRESETS
+from mmseg_mesa.config import PRESETS
 from mmseg_mesa.division import DivisionCompressor
+from mmseg_mesa.layer_types import division_layer_types, layer_types
 from mmseg_mesa.quantizer import ActivationQuantizer
 
 
@@ -92,8 +93,8 @@ def test_layer_bits_and_name_patterns():
 
 def test_global_division_covers_feature_maps_only():
     config = MesaConfig(compressor='division')
-    for layer_type in LAYER_TYPES:
-        expected = 'division' if layer_type in DIVISION_LAYER_TYPES else 'mesa'
+    for layer_type in layer_types():
+        expected = 'division' if layer_type in division_layer_types() else 'mesa'
         assert config.for_layer(layer_type).compressor == expected
     with pytest.raises(ValueError, match="unknown layer type 'lstm'"):
         config.for_layer('lstm')

@@ -311,13 +311,13 @@ def test_batchnorm_backward_holds_two_full_size_tensors(monkeypatch):
     taken a chunk of samples at a time. The out-of-place formulas held about five."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    import mmseg_mesa.layers.base as base
+    import mmseg_mesa.layers.chunking as chunking
     from mmseg_mesa import MesaConfig
     from mmseg_mesa.layers.norm import MesaBatchNorm2d
     bn = MesaBatchNorm2d(64, mesa_config=MesaConfig()).train()
     x = torch.randn(8, 64, 48, 48, requires_grad=True)  # 4.5 MiB
     size = x.numel() * x.element_size()
-    monkeypatch.setattr(base, 'DECODE_CHUNK_BYTES', size // 8)
+    monkeypatch.setattr(chunking, 'DECODE_CHUNK_BYTES', size // 8)
     y = bn(x)
     grad = torch.randn_like(y)
     tracker = MemTracker()

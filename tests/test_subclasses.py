@@ -253,13 +253,12 @@ FAMILIES = {
     'MaskFormerHead': (mask_head, lambda: [torch.randn(2, 100, 151),
                                            torch.randn(2, 100, 16, 16)]),
 }
-ACTIVATIONS = ('GELU', 'ReLU', 'ReLU6', 'Hardtanh', 'LeakyReLU', 'SiLU', 'Hardswish',
-               'Hardsigmoid', 'Sigmoid', 'Tanh', 'ELU')
-
-
 def family_of(cls: type) -> str:
-    return next(base.__name__ for base in cls.__mro__
-                if base.__name__ in FAMILIES or base.__name__ in ACTIVATIONS)
+    """The nearest base with a recipe in ``FAMILIES``, else the nearest handled type (the
+    activations: built without arguments, on a feature map)."""
+    names = [base.__name__ for base in cls.__mro__]
+    handled = {t.__name__ for t in handled_types()}
+    return next((n for n in names if n in FAMILIES), None) or next(n for n in names if n in handled)
 
 
 def build(cls: type) -> tuple[nn.Module, list[torch.Tensor]] | None:

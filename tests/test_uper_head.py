@@ -7,6 +7,7 @@ from mmseg.models.decode_heads.uper_head import UPerHead
 from torch import nn
 
 from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.handoff import CODES
 from mmseg_mesa.integrations.modules import MesaDecodeHead
 from mmseg_mesa.integrations.uper_head import MesaUPerHead, concat_channels
 from mmseg_mesa.registry import handler_for_type
@@ -139,7 +140,7 @@ def test_bottleneck_saves_its_input_as_the_fpn_outputs_codes():
     own.mesa_fused_quantizers = None  # the bottleneck conv packs its input itself
     seen = []
     fused.fpn_bottleneck.conv.register_forward_pre_hook(
-        lambda module, args: seen.append((args[0].detach().clone(), args[0]._mesa_codes[0])))
+        lambda module, args: seen.append((args[0].detach().clone(), CODES.get(args[0])[0])))
 
     def step(head):
         xs = [x.detach().clone().requires_grad_() for x in inputs]

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mmseg_mesa import MatMul, MesaConfig, convert_to_mesa
+from mmseg_mesa import MesaConfig, convert_to_mesa
+from mmseg_mesa.layers import MatMul
 from mmseg_mesa.quantizer import (
     Packed,
     QuantSpec,
@@ -122,7 +123,7 @@ def bench_kernels(kernels, device: str = 'cuda') -> list[dict]:
 
 class WindowBlock(nn.Module):
     """A Swin block on pre-partitioned windows ``(windows, tokens, dim)``; its two attention
-    matmuls are ``mmseg_mesa.MatMul`` modules, which conversion turns into ``MesaMatMul``."""
+    matmuls are ``mmseg_mesa.layers.MatMul`` modules, which conversion turns into ``MesaMatMul``."""
 
     def __init__(self, dim: int, heads: int, mlp_ratio: int = 4) -> None:
         super().__init__()

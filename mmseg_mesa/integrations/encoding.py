@@ -2,8 +2,8 @@
 
 ``Encoding`` assigns every pixel softly to ``K`` codewords and sums the residuals: its forward
 expands the ``(N, HW, C)`` features to ``(N, HW, K, C)`` residuals twice, and autograd keeps
-them (and their squares' input) for backward: 64 MiB of EncNet R50's 233 MiB at 128x128, batch 2,
-more than all its convolutions keep once packed. ``MesaEncodingFunction`` runs the layer's own
+them (and their squares' input) for backward, more than all of EncNet's convolutions keep once
+packed. ``MesaEncodingFunction`` runs the layer's own
 forward without grad (bit-identical) and saves its input packed; backward decodes it and runs the
 same forward again with grad, a block of pixels at a time (every pixel's assignment is its own,
 and the aggregation is a sum over pixels), so no full residual tensor exists in backward either.
@@ -17,13 +17,9 @@ import torch
 import torch.nn.functional as F
 from mmseg.models.utils.encoding import Encoding
 
-from ..layers.base import (
-    MesaModule,
-    record_autocast,
-    replayed_autocast,
-    restore,
-    returns_owned,
-)
+from ..layers.autocast import record_autocast, replayed_autocast, returns_owned
+from ..layers.base import MesaModule
+from ..layers.formulas import restore
 from ..quantizer import ActivationQuantizer
 from ..reuse import packed_reusing
 from ..saved import load, save

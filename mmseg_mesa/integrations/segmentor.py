@@ -3,10 +3,10 @@
 mmseg's ``EncoderDecoder.loss`` holds the neck's outputs until every head has run. The decode
 head reads most of them once, at its start, and keeps only their compressed codes for backward,
 yet the full-precision maps stay alive through the rest of the head, where a training step's
-forward peaks: on BEiT-B UPerNet at 640x640, batch 2, the 160x160 and 80x80 levels are 187 MiB
-held through UPerHead's fusion. ``MesaEncoderDecoder`` hands the heads a ``FeatureList``, the
-one container of those maps, from which a head may release the levels that no auxiliary head
-reads. The modules and ops run as before and in the same order; only references are dropped.
+forward peaks (BEiT-B UPerNet's 160x160 and 80x80 levels, held through UPerHead's fusion).
+``MesaEncoderDecoder`` hands the heads a ``FeatureList``, the one container of those maps, from
+which a head may release the levels that no auxiliary head reads. The modules and ops run as
+before and in the same order; only references are dropped.
 """
 from __future__ import annotations
 

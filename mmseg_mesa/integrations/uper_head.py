@@ -26,14 +26,10 @@ from mmseg.models.utils import resize
 from torch import nn
 
 from ..config import MesaConfig
-from ..layers.base import (
-    cast,
-    make_quantizer,
-    returns_owned,
-    rows_of,
-    sample_slices,
-    summed,
-)
+from ..handoff import INPUT_GRADIENT_BY_PARTS
+from ..layers.autocast import cast, returns_owned
+from ..layers.base import make_quantizer
+from ..layers.chunking import rows_of, sample_slices, summed
 from ..layers.conv import MesaConv2d
 from ..quantizer import ActivationQuantizer, Packed, sample_range, unpack
 from ..reuse import attach_codes
@@ -48,14 +44,14 @@ class LevelGradients:
     The conv (``MesaConv2dFunction``, reading the buffer ``concat_channels`` wrote) hands its
     backward here. The weight gradient is taken a level at a time from that level's codes
     (decoded and upsampled a few samples at a time), and the input gradient is not formed whole
-    (256 MiB on Swin-T UPerNet at 512x512, batch 2, the largest temporary of its backward): the
+    (on Swin-T UPerNet the largest temporary of its backward): the
     conv keeps its output gradient and weight here, and each ``WriteChannels`` backward takes its
     own slice, ``conv2d_input`` through that slice of the weight, which is that slice of the
     whole input gradient (each input channel's gradient reads only its own weights); it goes
     back through its upsampling before the next slice exists. Gradients are the whole conv's up
     to the order of float sums. The weight gradient is not ``weighted_backward``'s: that decodes
-    all levels of a sample at once (128 MiB there, against 32 MiB a level at a time), which
-    raised the bottleneck's own backward peak from 1124 to 1251 MiB.
+    all levels of a sample at once, four times what a level at a time holds, and measurably
+    raised the bottleneck's own backward peak (docs/benchmarks.md).
     """
 
     def __init__(self, slices: int) -> None:
@@ -183,8 +179,8 @@ class FusedCodes:
     each FPN output before its upsampling.
 
     Three of the four pieces are bilinear upsamplings of smaller maps; their codes at the
-    source resolution are 1/4, 1/16 and 1/64 of the upsampled ones (on Swin-T UPerNet at
-    512x512, batch 2: 21 MiB instead of 64 MiB at the peak of the forward). Decoding and then
+    source resolution are 1/4, 1/16 and 1/64 of the upsampled ones, a third of the codes of the
+    whole concatenation. Decoding and then
     upsampling interpolates the rounding errors, so no value is further from the exact one than
     its own codes would put it. The fields ``attached_codes`` checks are the pieces'.
     """
@@ -262,7 +258,7 @@ def releasing_input(module: nn.Module, holder: list[torch.Tensor]) -> torch.Tens
     layer has run.
 
     A module call keeps its arguments alive until it returns, so ``fpn_bottleneck(buffer)`` holds
-    the 256 MiB concatenation (Swin-T, 512x512, batch 2) through its BatchNorm and ReLU, though
+    the concatenation, the largest tensor of the head, through its BatchNorm and ReLU, though
     only the conv reads it. The steps are ``ConvModule.forward``'s with ``activate`` and ``norm``
     on. Anything else (a subclass, hooks on the module, explicit padding or the fused eval-mode
     conv-bn) is called as it is.
@@ -345,5 +341,5 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
             attach_codes(fused[0], FusedCodes(parts, fused[0].shape, fused[0].dtype,
                                               bool(self.align_corners)))
         if levels is not None:
-            fused[0]._mesa_levels = levels  # type: ignore[attr-defined]
+            INPUT_GRADIENT_BY_PARTS.offer(fused[0], levels)
         return releasing_input(self.fpn_bottleneck, fused)

@@ -1,35 +1,20 @@
-"""Mesa layers: torch modules whose forward is exact and whose saved activations are compressed."""
-from .activations import (
-    MesaELU,
-    MesaGELU,
-    MesaHardsigmoid,
-    MesaHardswish,
-    MesaHardtanh,
-    MesaLeakyReLU,
-    MesaPReLU,
-    MesaReLU,
-    MesaReLU6,
-    MesaSigmoid,
-    MesaSiLU,
-    MesaTanh,
-)
-from .base import MesaModule
-from .conv import MesaConv1d, MesaConv2d
-from .conv_transpose import MesaConvTranspose2d
-from .dropout import MesaDropout
-from .group_norm import MesaGroupNorm
-from .linear import MesaLinear
-from .matmul import MatMul, MesaMatMul
-from .norm import MesaBatchNorm, MesaBatchNorm2d, MesaLayerNorm
-from .pooling import MesaAdaptiveAvgPool2d, MesaAvgPool2d, MesaMaxPool2d
-from .softmax import MesaSoftmax
-from .sync_batchnorm import MesaSyncBatchNorm
+"""Mesa layers: torch modules whose forward is exact and whose saved activations are compressed.
 
-__all__ = [
-    'MesaModule', 'MesaLinear', 'MesaConv2d', 'MesaGELU', 'MesaReLU', 'MesaSoftmax',
-    'MesaLayerNorm', 'MesaBatchNorm', 'MesaBatchNorm2d', 'MesaSyncBatchNorm', 'MatMul',
-    'MesaMatMul', 'MesaDropout',
-    'MesaHardtanh', 'MesaReLU6', 'MesaLeakyReLU', 'MesaPReLU', 'MesaSiLU', 'MesaHardswish',
-    'MesaHardsigmoid', 'MesaSigmoid', 'MesaTanh', 'MesaELU', 'MesaMaxPool2d',
-    'MesaConvTranspose2d', 'MesaGroupNorm', 'MesaAvgPool2d', 'MesaAdaptiveAvgPool2d', 'MesaConv1d',
-]
+Every module of this package is imported here, so each layer registers itself
+(``registry.mesa_layer``) and each layer type is declared before any config is built; the
+registered classes are exported by name, with the few classes that are built rather than
+converted to (``MesaModule``, the ``MatMul`` module, ``MesaBatchNorm2d``).
+"""
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+for _info in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f'{__name__}.{_info.name}')
+
+from ..registry import layer_classes as _layer_classes  # noqa: E402
+from .base import MesaModule  # noqa: E402
+from .matmul import MatMul  # noqa: E402
+from .norm import MesaBatchNorm2d  # noqa: E402
+
+globals().update(_layer_classes())
+__all__ = ['MatMul', 'MesaBatchNorm2d', 'MesaModule', *sorted(_layer_classes())]

@@ -26,18 +26,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack
+from ..registry import mesa_layer
 from ..reuse import attach_codes
 from ..saved import PackedMask, load, save
-from .base import (
-    MesaModule,
+from .autocast import (
     autocast_inputs,
     autocast_off,
     cast,
     no_autocast_backward,
     record_input,
     returns_owned,
-    sum_to,
 )
+from .base import MesaModule
+from .formulas import sum_to
 
 
 class MesaGELUFunction(torch.autograd.Function):
@@ -67,10 +68,10 @@ class MesaGELUFunction(torch.autograd.Function):
         return cast(grad_x, ctx.input_dtype), None, None
 
 
+@mesa_layer(nn.GELU, 'gelu', division=True)
 class MesaGELU(MesaModule, nn.GELU):
     """``nn.GELU`` whose saved input is quantized per channel group (last dim)."""
 
-    mesa_layer_type = 'gelu'
     mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +100,7 @@ class MesaReLUFunction(torch.autograd.Function):
         return mask.select(grad), None
 
 
+@mesa_layer(nn.ReLU, 'relu')
 class MesaReLU(MesaModule, nn.ReLU):
     """``nn.ReLU`` that saves a 1-bit mask instead of its output."""
 
@@ -147,6 +149,7 @@ class ChannelQuantized(MesaModule):
         return self.quant_channels if x.dim() >= 4 else self.quant_tokens  # type: ignore[attr-defined]
 
 
+@mesa_layer(nn.Hardtanh, 'activation')
 class MesaHardtanh(MesaModule, nn.Hardtanh):
     """``nn.Hardtanh`` saving one bit per element (inside the pass-through range or not)."""
 
@@ -159,10 +162,12 @@ class MesaHardtanh(MesaModule, nn.Hardtanh):
             lambda t: (t > lo) & (t < hi), 1.0, 0.0, self.inplace)
 
 
+@mesa_layer(nn.ReLU6, 'activation')
 class MesaReLU6(MesaHardtanh, nn.ReLU6):
     """``nn.ReLU6`` (a Hardtanh on [0, 6]) saving one bit per element."""
 
 
+@mesa_layer(nn.LeakyReLU, 'activation')
 class MesaLeakyReLU(MesaModule, nn.LeakyReLU):
     """``nn.LeakyReLU`` saving the sign bit of its input."""
 
@@ -175,6 +180,7 @@ class MesaLeakyReLU(MesaModule, nn.LeakyReLU):
             self.inplace)
 
 
+@mesa_layer(nn.Hardsigmoid, 'activation')
 class MesaHardsigmoid(MesaModule, nn.Hardsigmoid):
     """``nn.Hardsigmoid`` saving one bit per element (inside (-3, 3) or not)."""
 
@@ -224,6 +230,7 @@ class MesaSmoothFunction(torch.autograd.Function):
         return (grad.float() * derivative).to(ctx.input_dtype), None, None, None, None
 
 
+@mesa_layer(nn.SiLU, 'activation')
 class MesaSiLU(ChannelQuantized, nn.SiLU):
     """``nn.SiLU`` whose saved input is quantized per channel."""
 
@@ -234,6 +241,7 @@ class MesaSiLU(ChannelQuantized, nn.SiLU):
                                         self.inplace, self.saved_quantizer(x))
 
 
+@mesa_layer(nn.Sigmoid, 'activation')
 class MesaSigmoid(ChannelQuantized, nn.Sigmoid):
     """``nn.Sigmoid`` whose saved output is quantized per channel."""
 
@@ -244,6 +252,7 @@ class MesaSigmoid(ChannelQuantized, nn.Sigmoid):
                                         self.saved_quantizer(x))
 
 
+@mesa_layer(nn.Tanh, 'activation')
 class MesaTanh(ChannelQuantized, nn.Tanh):
     """``nn.Tanh`` whose saved output is quantized per channel."""
 
@@ -284,6 +293,7 @@ class MesaHardswishFunction(torch.autograd.Function):
         return (grad.float() * derivative).to(ctx.input_dtype), None, None
 
 
+@mesa_layer(nn.Hardswish, 'activation')
 class MesaHardswish(ChannelQuantized, nn.Hardswish):
     """``nn.Hardswish``: a bit per element plus the quantized input clamped to [-3, 3]."""
 
@@ -323,6 +333,7 @@ class MesaELUFunction(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype), None, None, None
 
 
+@mesa_layer(nn.ELU, 'activation')
 class MesaELU(ChannelQuantized, nn.ELU):
     """``nn.ELU``: the sign bit plus the quantized negative part of its output."""
 
@@ -369,6 +380,7 @@ class MesaPReLUFunction(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+@mesa_layer(nn.PReLU, 'activation')
 class MesaPReLU(MesaModule, nn.PReLU):
     """``nn.PReLU``: exact input gradient from the sign bit; the weight gradient reads the
     quantized negative part of the input (grouped per channel, dim 1)."""

@@ -17,9 +17,11 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
+from ..registry import mesa_layer
 from ..saved import load, save
 from .attention_core import ATTENTION_QUANTIZERS, MesaAttentionFunction, recomputes_maps
-from .base import MesaModule, autocast_inputs, autocast_off, no_autocast_backward, returns_owned
+from .autocast import autocast_inputs, autocast_off, no_autocast_backward, returns_owned
+from .base import MesaModule
 from .dropout import MesaDropout
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMul
@@ -88,6 +90,8 @@ def unsupported_mha_reason(mha: nn.MultiheadAttention) -> str | None:
     return None
 
 
+# out_proj is used through its weight by the rewritten attention.
+@mesa_layer(nn.MultiheadAttention, 'attention', unsupported_mha_reason, covers=('out_proj',))
 class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
     """``nn.MultiheadAttention`` with every saved activation compressed.
 

@@ -28,7 +28,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
-from .base import cast, no_autocast_backward, record_input, returns_owned
+from .autocast import cast, no_autocast_backward, record_input, returns_owned
 from .dropout import dropout_with_mask
 from .softmax import softmax_backward
 
@@ -126,10 +126,10 @@ def add_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # The fp32 bytes of one block of recomputed map rows. Backward holds about three such blocks at
-# once (the logits turned map, the map's gradient, the logits' gradient): with blocks of 32 MiB
-# (one whole 6 x 1025 x 1025 map) they were 105 MiB of DeiT-S UPerNet's 512x512 step peak, in
-# the last block's backward; with 8 MiB its backward stays below the optimizer step's peak
-# (docs/benchmarks.md). Smaller blocks only add matmul calls.
+# once (the logits turned map, the map's gradient, the logits' gradient): blocks of a whole
+# ViT-S map at 512x512 made the last block's backward the peak of DeiT-S UPerNet's step, blocks
+# of this size keep it below the optimizer step's (docs/benchmarks.md). Smaller blocks only add
+# matmul calls.
 MAP_BLOCK_BYTES = 8 << 20
 
 

@@ -32,7 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import record_autocast, replayed_autocast, returns_owned
+from ..layer_types import declare_layer_type
+from .autocast import record_autocast, replayed_autocast, returns_owned
+
+# A decode head's loss keeping only its low-resolution logits (exact recomputation, no
+# quantization): the heads of integrations.modules convert under this type.
+declare_layer_type('loss')
 
 # Elements of one band's upsampled logits (16 MiB in fp32): small next to the activations, large
 # enough that the per-band overhead (two halo rows per band) stays a few percent.

@@ -8,14 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MesaConfig
+from ..handoff import INPUT_GRADIENT_BY_PARTS
 from ..quantizer import ActivationQuantizer
-from .base import (
-    MesaModule,
-    no_autocast_backward,
-    returns_owned,
-    weighted_backward,
-    weighted_forward,
-)
+from ..registry import mesa_layer
+from .autocast import no_autocast_backward, returns_owned
+from .base import MesaModule
+from .formulas import weighted_backward, weighted_forward
 
 
 def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> torch.Tensor:
@@ -52,9 +50,9 @@ class MesaConv2dFunction(torch.autograd.Function):
                 quantizer: ActivationQuantizer, explicit_pad: tuple | None = None,
                 pad_mode: str = 'zeros') -> torch.Tensor:
         ctx.explicit_pad = (explicit_pad, pad_mode, x.shape) if explicit_pad else None
-        # The one reader of UPerHead's concatenated FPN outputs hands its input gradient out a
-        # level at a time (integrations.uper_head.LevelGradients) instead of forming it whole.
-        ctx.levels = None if explicit_pad else getattr(x, '_mesa_levels', None)
+        # A tensor whose one reader this conv is may come with a backward that hands the input
+        # gradient out by parts (UPerHead's fused FPN levels) instead of forming it whole.
+        ctx.by_parts = None if explicit_pad else INPUT_GRADIENT_BY_PARTS.get(x)
         if explicit_pad:
             # Reflect/replicate/circular padding: torch's pad would save the unpadded input in
             # full precision, so we pad here and undo it in backward.
@@ -65,8 +63,8 @@ class MesaConv2dFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.levels is not None:
-            return ctx.levels.backward(ctx, grad)
+        if ctx.by_parts is not None:
+            return ctx.by_parts.backward(ctx, grad)
 
         def input_grad(grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, w, grad, *ctx.conv_args)
@@ -85,13 +83,21 @@ class MesaConv2dFunction(torch.autograd.Function):
             conv_bias_grad, None if ctx.explicit_pad else joint)
 
 
+def string_padding_reason(module: nn.Module) -> str | None:
+    if isinstance(module.padding, str):
+        return f'string padding {module.padding!r} is not supported'
+    return None
+
+
+# MesaConv2d.forward calls F.conv2d itself, so an overridden _conv_forward would be lost too.
+@mesa_layer(nn.Conv2d, 'conv2d', string_padding_reason, replaces=('forward', '_conv_forward'),
+            division=True)
 class MesaConv2d(MesaModule, nn.Conv2d):
     """``nn.Conv2d`` whose saved input is quantized per channel group (dim 1).
 
     String padding (``'same'``/``'valid'``) is not supported; conversion leaves such layers alone.
     """
 
-    mesa_layer_type = 'conv2d'
     mesa_quantizers = {'quant_input': (1, None)}
 
     def mesa_setup(self, config: MesaConfig) -> None:
@@ -132,11 +138,20 @@ class MesaConv1dFunction(torch.autograd.Function):
             lambda grad: grad.sum((0, 2)))
 
 
+def conv1d_reason(module: nn.Conv1d) -> str | None:
+    """Why a Conv1d is left as it is, or None."""
+    if string_padding_reason(module) is not None:
+        return string_padding_reason(module)
+    if module.padding_mode != 'zeros':
+        return f'padding_mode={module.padding_mode!r} is not supported'
+    return None
+
+
+@mesa_layer(nn.Conv1d, 'conv1d', conv1d_reason, replaces=('forward', '_conv_forward'))
 class MesaConv1d(MesaModule, nn.Conv1d):
     """``nn.Conv1d`` (PointRend's point head) whose saved input is quantized per channel group
     (dim 1). Zero numeric padding only; conversion leaves other layers alone."""
 
-    mesa_layer_type = 'conv1d'
     mesa_quantizers = {'quant_input': (1, None)}
 
     def mesa_setup(self, config: MesaConfig) -> None:
@@ -150,12 +165,3 @@ class MesaConv1d(MesaModule, nn.Conv1d):
             return super().forward(x)
         return MesaConv1dFunction.apply(x, self.weight, self.bias, self.stride, self.padding,
                                         self.dilation, self.groups, self.quant_input)
-
-
-def conv1d_reason(module: nn.Conv1d) -> str | None:
-    """Why a Conv1d is left as it is, or None."""
-    if isinstance(module.padding, str):
-        return f'string padding {module.padding!r} is not supported'
-    if module.padding_mode != 'zeros':
-        return f'padding_mode={module.padding_mode!r} is not supported'
-    return None

@@ -9,14 +9,11 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer
-from .base import (
-    MesaModule,
-    no_autocast_backward,
-    returns_owned,
-    weighted_backward,
-    weighted_forward,
-)
+from ..registry import mesa_layer
+from .autocast import no_autocast_backward, returns_owned
+from .base import MesaModule
 from .conv import conv_bias_grad
+from .formulas import weighted_backward, weighted_forward
 
 
 class MesaConvTranspose2dFunction(torch.autograd.Function):
@@ -60,13 +57,13 @@ def conv_transpose_reason(module: nn.ConvTranspose2d) -> str | None:
     return None
 
 
+@mesa_layer(nn.ConvTranspose2d, 'conv_transpose2d', conv_transpose_reason)
 class MesaConvTranspose2d(MesaModule, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` whose saved input is quantized per channel group (dim 1).
 
     Unbatched (3-dim) inputs run the torch path.
     """
 
-    mesa_layer_type = 'conv_transpose2d'
     mesa_quantizers = {'quant_input': (1, None)}
 
     def mesa_setup(self, config: MesaConfig) -> None:

@@ -6,8 +6,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..layer_types import declare_layer_type
+from ..registry import mesa_layer
 from ..saved import PackedMask, load, save
-from .base import MesaModule, returns_owned
+from .autocast import returns_owned
+from .base import MesaModule
 
 
 def dropout_with_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +43,15 @@ class MesaDropoutFunction(torch.autograd.Function):
         return grad * (mask.unpack().to(grad.dtype) / (1 - ctx.p)), None
 
 
+def inplace_or_no_mask_reason(module: nn.Dropout) -> str | None:
+    if module.inplace:
+        return 'in-place dropout is not supported'
+    if not 0.0 < module.p < 1.0:
+        return f'p={module.p} saves no mask'
+    return None
+
+
+@mesa_layer(nn.Dropout, 'dropout', inplace_or_no_mask_reason)
 class MesaDropout(MesaModule, nn.Dropout):
     """``nn.Dropout`` keeping a 1-bit mask instead of the scaled noise tensor."""
 
@@ -47,6 +59,12 @@ class MesaDropout(MesaModule, nn.Dropout):
         if not self.mesa_active(x) or not 0.0 < self.p < 1.0 or self.inplace or x.numel() == 0:
             return super().forward(x)
         return MesaDropoutFunction.apply(x, self.p)
+
+
+# mmcv's drop_path (integrations.modules.MesaDropPath) is converted only when config.layers names
+# it: it keeps one number per sample for backward, which a 1-bit mask does not usefully shrink,
+# while the conversion costs a Function call per block.
+declare_layer_type('droppath', opt_in=True)
 
 
 class MesaDropPathFunction(torch.autograd.Function):

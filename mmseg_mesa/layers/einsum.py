@@ -8,7 +8,8 @@ import torch
 from ..quantizer import ActivationQuantizer
 from ..reuse import packed_reusing
 from ..saved import save
-from .base import no_autocast_backward, operand_gradients, record_input, returns_owned
+from .autocast import no_autocast_backward, record_input, returns_owned
+from .formulas import operand_gradients
 
 
 def gradient_equations(equation: str) -> tuple[str, str] | None:

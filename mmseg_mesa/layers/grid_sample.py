@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..quantizer import ActivationQuantizer, unpack
 from ..saved import load, save
-from .base import cast, no_autocast_backward, record_input, returns_owned
+from .autocast import cast, no_autocast_backward, record_input, returns_owned
 
 
 class MesaGridSampleFunction(torch.autograd.Function):

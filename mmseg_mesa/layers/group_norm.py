@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
+from ..registry import mesa_layer
 from ..saved import load, save
-from .base import MesaModule, cast, no_autocast_backward, record_input, returns_owned
+from .autocast import cast, no_autocast_backward, record_input, returns_owned
+from .base import MesaModule
 from .norm import cast_grads, normalized
 from .norm_backward import NormSets, normalization_backward
 
@@ -55,11 +57,11 @@ class MesaGroupNormFunction(torch.autograd.Function):
         return grad_x, None, grad_w, grad_b, None, None
 
 
+@mesa_layer(nn.GroupNorm, 'groupnorm')
 class MesaGroupNorm(MesaModule, nn.GroupNorm):
     """``nn.GroupNorm`` saving its normalized input (``bits`` bits, per channel group of dim 1) and
     the exact 1/std per (sample, group)."""
 
-    mesa_layer_type = 'groupnorm'
     mesa_quantizers = {'quant_input': (1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

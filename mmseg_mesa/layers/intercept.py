@@ -24,26 +24,23 @@ from torch.nn.modules.utils import _pair
 from torch.overrides import TorchFunctionMode
 
 from ..config import MesaConfig
+from ..layer_types import declare_layer_type
 from ..quantizer import ActivationQuantizer
 from ..saved import save
 from .activations import MesaSmoothFunction
-from .base import (
-    MesaModule,
-    make_quantizer,
-    no_autocast_backward,
-    operand_gradients,
-    record_input,
-    returns_owned,
-    row_group_config,
-    sum_to,
-)
+from .autocast import no_autocast_backward, record_input, returns_owned
+from .base import MesaModule, make_quantizer, row_group_config
 from .conv import MesaConv2dFunction
 from .einsum import MesaEinsumFunction, gradient_equations
+from .formulas import operand_gradients, sum_to
 from .grid_sample import MesaGridSampleFunction
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
 from .pooling import MesaLinearPoolFunction
 from .softmax import MesaSoftmaxFunction
+
+# Element-wise products a module's forward computes itself (layer scale, gated attention).
+declare_layer_type('product')
 
 # An operand of an element-wise product this much smaller than the product (a layer-scale
 # vector, per-channel gates) is kept as it is: packing it would save nothing worth its cost.

@@ -6,15 +6,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..quantizer import ActivationQuantizer
-from .base import (
-    MesaModule,
-    no_autocast_backward,
-    returns_owned,
-    weighted_backward,
-    weighted_forward,
-)
+from ..registry import mesa_layer
+from .autocast import no_autocast_backward, returns_owned
+from .base import MesaModule
+from .formulas import weighted_backward, weighted_forward
 
 
 class MesaLinearFunction(torch.autograd.Function):
@@ -36,10 +34,13 @@ class MesaLinearFunction(torch.autograd.Function):
             lambda grad: grad.reshape(-1, grad.shape[-1]).sum(0))
 
 
+@mesa_layer(nn.Linear, 'linear', division=True)
+@mesa_layer(NonDynamicallyQuantizableLinear, 'linear',
+            lambda m: 'out_proj of nn.MultiheadAttention: only called through its weight, '
+                      'compressed when the attention is converted')
 class MesaLinear(MesaModule, nn.Linear):
     """``nn.Linear`` whose saved input is quantized per channel group (last dim)."""
 
-    mesa_layer_type = 'linear'
     mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

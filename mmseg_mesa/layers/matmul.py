@@ -7,17 +7,12 @@ import torch
 from torch import nn
 
 from ..quantizer import ActivationQuantizer
+from ..registry import mesa_layer
 from ..reuse import packed_reusing
 from ..saved import save
-from .base import (
-    MesaModule,
-    autocast_inputs,
-    autocast_off,
-    no_autocast_backward,
-    operand_gradients,
-    returns_owned,
-    sum_to,
-)
+from .autocast import autocast_inputs, autocast_off, no_autocast_backward, returns_owned
+from .base import MesaModule
+from .formulas import operand_gradients, sum_to
 
 
 class MesaMatMulFunction(torch.autograd.Function):
@@ -53,6 +48,7 @@ class MatMul(nn.Module):
         return a @ b
 
 
+@mesa_layer(MatMul, 'matmul')
 class MesaMatMul(MesaModule, MatMul):
     """``forward(a, b) = a @ b``, compressing operands of 2 or more dims.
 
@@ -60,7 +56,6 @@ class MesaMatMul(MesaModule, MatMul):
     ``(B, heads, N, d)`` attention operands.
     """
 
-    mesa_layer_type = 'matmul'
     mesa_quantizers = {'quant_a': (1, 1), 'quant_b': (1, 1)}
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -12,17 +12,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..codes import Codes
 from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_grad
+from ..registry import mesa_layer
 from ..reuse import attach_codes
 from ..saved import load, save
-from .base import (
-    MesaModule,
-    cast,
-    channel_dot,
-    device_type,
-    no_autocast_backward,
-    record_input,
-    returns_owned,
-)
+from .autocast import cast, device_type, no_autocast_backward, record_input, returns_owned
+from .base import MesaModule
+from .chunking import channel_dot
 from .norm_backward import NormSets, fits_fused, normalization_backward
 
 # Moments torch's norms return that are kept as they are; half-precision ones (bf16 or fp16
@@ -133,10 +128,10 @@ def affine_codes(packed: Packed, weight: torch.Tensor | None, bias: torch.Tensor
     return Mapped(packed, functools.partial(elementwise_affine, *fp32), dtype)
 
 
+@mesa_layer(nn.LayerNorm, 'layernorm', division=True)
 class MesaLayerNorm(MesaModule, nn.LayerNorm):
     """``nn.LayerNorm`` whose saved normalized input is quantized per channel group (last dim)."""
 
-    mesa_layer_type = 'layernorm'
     mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,6 +343,12 @@ def eval_batch_norm(module: Any, x: torch.Tensor) -> torch.Tensor | None:
                                        module.bias, module.eps, module.quant_input)
 
 
+# BatchNorm's backward sums its normalized input against the output gradient over every pixel of
+# a channel and sends that one number back to all of them, so the rounding error of the sum
+# reaches every upstream weight in one direction; nearest rounding has half the variance of
+# stochastic rounding, and its bias measured nothing over independent batches
+# (docs/benchmarks.md).
+@mesa_layer(_BatchNorm, 'batchnorm', division=True, nearest_rounding=True)
 class MesaBatchNorm(MesaModule, _BatchNorm):
     """Any single-process BatchNorm (1d/2d/3d, mmengine's ``_BatchNormXd``), input saved in
     ``bits`` bits.
@@ -358,7 +359,6 @@ class MesaBatchNorm(MesaModule, _BatchNorm):
     anyway, and 2 floats per channel cost nothing next to the activation).
     """
 
-    mesa_layer_type = 'batchnorm'
     mesa_quantizers = {'quant_input': (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

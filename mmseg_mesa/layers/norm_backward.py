@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import FUSED_BACKWARD_BYTES, channel_dot
+from .chunking import FUSED_BACKWARD_BYTES, channel_dot
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -112,8 +112,8 @@ def channel_input_grad(grad: torch.Tensor, x_norm: torch.Tensor, rstd: torch.Ten
                        weight: torch.Tensor | None, sum_dy: torch.Tensor,
                        sum_dy_xnorm: torch.Tensor, count: float) -> torch.Tensor:
     """The input gradient for per-channel sets, written into ``x_norm``: backward then holds no
-    full-size tensor besides ``grad`` and this one (the out-of-place formula made three more, up
-    to 320 MiB at Swin-T UPerNet's 512x512 peak). Per-channel tensors broadcast over ``x_norm``;
+    full-size tensor besides ``grad`` and this one (the out-of-place formula made three more, at
+    the peak of a CNN head's backward). Per-channel tensors broadcast over ``x_norm``;
     the weight is constant over a set, so it leaves the two means as a factor."""
     scale = rstd if weight is None else rstd * weight.view_as(rstd)
     out = x_norm.mul_(-(sum_dy_xnorm / count)).add_(grad).sub_(sum_dy / count)

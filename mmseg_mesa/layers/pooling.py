@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..registry import mesa_layer
 from ..saved import load, save
-from .base import MesaModule, record_autocast, replayed_autocast, returns_owned
+from .autocast import record_autocast, replayed_autocast, returns_owned
+from .base import MesaModule
 
 
 def _pair(value: int | tuple[int, ...]) -> tuple[int, int]:
@@ -92,6 +94,9 @@ class MesaMaxPool2dFunction(torch.autograd.Function):
         return grad_x.view(n, c, h, w).to(grad.dtype), None, None, None, None, None
 
 
+@mesa_layer(nn.MaxPool2d, 'pooling',
+            lambda m: 'return_indices=True: the int64 indices are an output'
+            if m.return_indices else None)
 class MesaMaxPool2d(MesaModule, nn.MaxPool2d):
     """``nn.MaxPool2d`` saving only the argmax's position inside its window (uint8).
 
@@ -142,6 +147,8 @@ class MesaLinearPoolFunction(torch.autograd.Function):
         return grad_x, None
 
 
+# UPerHead's and PSPNet's pyramid pooling, SE blocks: torch keeps the whole input.
+@mesa_layer(nn.AdaptiveAvgPool2d, 'pooling')
 class MesaAdaptiveAvgPool2d(MesaModule, nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` that saves nothing for backward (only the input's shape)."""
 
@@ -151,6 +158,7 @@ class MesaAdaptiveAvgPool2d(MesaModule, nn.AdaptiveAvgPool2d):
         return MesaLinearPoolFunction.apply(x, super().forward)
 
 
+@mesa_layer(nn.AvgPool2d, 'pooling')
 class MesaAvgPool2d(MesaModule, nn.AvgPool2d):
     """``nn.AvgPool2d`` that saves nothing for backward (only the input's shape)."""
 

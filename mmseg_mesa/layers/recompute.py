@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .base import record_autocast, replayed_autocast, returns_owned
+from .autocast import record_autocast, replayed_autocast, returns_owned
 
 LossFn = Callable[..., dict[str, torch.Tensor]]
 

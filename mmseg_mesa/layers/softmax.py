@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
+from ..registry import mesa_layer
 from ..reuse import attach_codes
 from ..saved import SOFTMAX_OUTPUT, load, save
-from .base import MesaModule, no_autocast_backward, record_input, returns_owned
+from .autocast import no_autocast_backward, record_input, returns_owned
+from .base import MesaModule
 
 
 class MesaSoftmaxFunction(torch.autograd.Function):
@@ -49,13 +51,13 @@ def softmax_dim(dim: int | None, ndim: int) -> int:
     return 0 if ndim in (0, 1, 3) else 1
 
 
+@mesa_layer(nn.Softmax, 'softmax')
 class MesaSoftmax(MesaModule, nn.Softmax):
     """``nn.Softmax`` saving its ``bits``-bit output, one quantization group per index of dim 1.
 
     For attention maps ``(B, heads, N, N)`` that is one group per head, as in Mesa.
     """
 
-    mesa_layer_type = 'softmax'
     mesa_quantizers = {'quant_output': (1, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

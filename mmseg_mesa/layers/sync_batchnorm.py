@@ -37,8 +37,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..quantizer import ActivationQuantizer, unpack
+from ..registry import mesa_layer
 from ..saved import load, save
-from .base import MesaModule, no_autocast_backward, record_input, returns_owned
+from .autocast import no_autocast_backward, record_input, returns_owned
+from .base import MesaModule
 from .norm import (
     MesaBatchNormFunction,
     batch_norm_momentum,
@@ -170,6 +172,7 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
+@mesa_layer(nn.SyncBatchNorm, 'batchnorm')
 class MesaSyncBatchNorm(MesaModule, nn.SyncBatchNorm):
     """``nn.SyncBatchNorm`` whose saved input is ``bits``-bit, per channel; runs on CPU (gloo) too.
 
@@ -177,7 +180,6 @@ class MesaSyncBatchNorm(MesaModule, nn.SyncBatchNorm):
     takes the local path instead of refusing CPU input (torch checks the device first).
     """
 
-    mesa_layer_type = 'batchnorm'
     mesa_quantizers = {'quant_input': (1, 1)}
 
     def sync_world_size(self) -> int:

@@ -1,0 +1,60 @@
+"""Hand-offs: what one layer leaves for another layer that will meet the same tensor.
+
+A layer sometimes knows something about a tensor it returns that a later layer needs: the 8-bit
+codes it already made of it (so the next layer that saves it stores no second copy), that the
+tensor's one reader can give its input gradient back by parts, or what a saved tensor is (for
+saved-bytes reports). Such facts travel in one kind of object, a ``HandOff``: a map keyed by
+tensor identity that holds its entry exactly as long as the tensor lives (torch's
+``WeakTensorKeyDictionary``). No attribute is ever set on a tensor, and a layer reads a hand-off
+only through the named instance below, so every coupling between layers is listed here.
+
+These maps are process-wide state (``mmseg_mesa.state`` lists it all); each entry dies with its
+tensor, so nothing outlives a training step.
+"""
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+V = TypeVar('V')
+
+__all__ = ['CODES', 'INPUT_GRADIENT_BY_PARTS', 'SAVED_LABEL', 'HandOff']
+
+
+class HandOff(Generic[V]):
+    """One kind of hand-off: ``offer(t, value)`` by the layer that knows, ``get(t)`` by the
+    layer that needs it; the entry lives as long as ``t``."""
+
+    def __init__(self, name: str, meaning: str) -> None:
+        self.name = name
+        self.meaning = meaning
+        self._entries: Any = WeakTensorKeyDictionary()
+
+    def offer(self, t: torch.Tensor, value: V) -> None:
+        self._entries[t] = value
+
+    def get(self, t: torch.Tensor) -> V | None:
+        return self._entries.get(t)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f'HandOff({self.name!r}: {self.meaning})'
+
+
+# (codes, the tensor's version when they were made): codes that decode to the tensor, offered by
+# the layer that made them to the next layer that saves the same tensor (``reuse``).
+CODES: HandOff[tuple[Any, int]] = HandOff(
+    'codes', 'codes of this tensor another layer may save instead of packing it again')
+# An object with ``backward(ctx, grad)``: the tensor's one reader (a convolution) runs its
+# backward through it, which hands the input gradient out by channel slices instead of forming
+# it whole (UPerHead's fused FPN levels).
+INPUT_GRADIENT_BY_PARTS: HandOff[Any] = HandOff(
+    'input gradient by parts', "computes the backward of this tensor's one reader by parts")
+# What a saved tensor is, for saved-bytes reports (``memory.count_saved_tensors``); autograd
+# packs a custom Function's saved tensors after its forward returns, so the label cannot be an
+# argument of the pack hook.
+SAVED_LABEL: HandOff[str] = HandOff('saved label', 'what this saved tensor is, for reports')
