@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Multi-GPU (or multi-process CPU/gloo) training with torchrun:
+# Multi-GPU training: torch.distributed.run launches tools/train.py once per GPU (--launcher pytorch).
 #   tools/dist_train.sh CONFIG NUM_GPUS [train.py args...]
+# Needs CUDA: mmengine's init_dist('pytorch') calls torch.cuda.set_device. On CPU, run tools/train.py.
 set -euo pipefail
 CONFIG=$1
 GPUS=$2
