@@ -41,6 +41,7 @@ from mmseg_mesa.layers import (
     MesaHardtanh,
     MesaLeakyReLU,
     MesaMaxPool2d,
+    MesaMish,
     MesaPReLU,
     MesaReLU6,
     MesaSigmoid,
@@ -81,6 +82,8 @@ CASES = [
     ExtraCase('silu', lambda: nn.SiLU(), FEATURES, _swap(MesaSiLU), input_scale=2.0,
               memory_shapes=BIG_FEATURES),
     ExtraCase('silu_tokens', lambda: nn.SiLU(), [(3, 7, 37)], _swap(MesaSiLU), input_scale=2.0),
+    ExtraCase('mish', lambda: nn.Mish(), FEATURES, _swap(MesaMish), input_scale=2.0,
+              memory_shapes=BIG_FEATURES),
     ExtraCase('hardswish', lambda: nn.Hardswish(), FEATURES, _swap(MesaHardswish),
               input_scale=3.0, memory_shapes=BIG_FEATURES, saved_limit=0.31),
     ExtraCase('sigmoid', lambda: nn.Sigmoid(), FEATURES, _swap(MesaSigmoid), input_scale=2.0,
@@ -243,6 +246,7 @@ INPLACE = [
     (lambda: nn.Hardsigmoid(inplace=True), MesaHardsigmoid, True),
     (lambda: nn.Hardswish(inplace=True), MesaHardswish, False),
     (lambda: nn.SiLU(inplace=True), MesaSiLU, False),
+    (lambda: nn.Mish(inplace=True), MesaMish, False),
     (lambda: nn.ELU(inplace=True), MesaELU, False),
 ]
 

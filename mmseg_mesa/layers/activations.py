@@ -6,7 +6,7 @@
   element says which piece; the gradient is exact.
 - PReLU: the sign bit (input gradient, exact) and the quantized negative part of the input (the
   only part the weight gradient reads).
-- SiLU (its input), Sigmoid and Tanh (their outputs): one quantized copy.
+- SiLU and Mish (their inputs), Sigmoid and Tanh (their outputs): one quantized copy.
 - Hardswish: one bit for "inside (-3, 3)" and the quantized input clamped to [-3, 3] (outside,
   the derivative is 0 or 1 and the clamped value's sign tells which).
 - ELU: the sign bit and the quantized negative part of the output (``alpha * exp(x) = y + alpha``).
@@ -197,16 +197,23 @@ def _silu_derivative(x: torch.Tensor) -> torch.Tensor:
     return s * (1.0 + x * (1.0 - s))
 
 
+def _mish_derivative(x: torch.Tensor) -> torch.Tensor:
+    t = torch.tanh(F.softplus(x))
+    return t + x * torch.sigmoid(x) * (1.0 - t * t)
+
+
 # name -> (save the output rather than the input, derivative from the saved value in fp32)
 _SMOOTH: dict[str, tuple[bool, Callable[[torch.Tensor], torch.Tensor]]] = {
     'silu': (False, _silu_derivative),
+    'mish': (False, _mish_derivative),
     'sigmoid': (True, lambda y: y * (1.0 - y)),
     'tanh': (True, lambda y: 1.0 - y * y),
 }
 
 
 class MesaSmoothFunction(torch.autograd.Function):
-    """SiLU / Sigmoid / Tanh keeping one quantized copy (of the input or of the output)."""
+    """SiLU / Mish / Sigmoid / Tanh keeping one quantized copy (of the input or of the
+    output)."""
 
     @staticmethod
     @returns_owned
@@ -238,6 +245,17 @@ class MesaSiLU(ChannelQuantized, nn.SiLU):
         if not self.mesa_active(x):
             return super().forward(x)
         return MesaSmoothFunction.apply(x, lambda t: F.silu(t, self.inplace), 'silu',
+                                        self.inplace, self.saved_quantizer(x))
+
+
+@mesa_layer(nn.Mish, 'activation')
+class MesaMish(ChannelQuantized, nn.Mish):
+    """``nn.Mish`` whose saved input is quantized per channel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.mesa_active(x):
+            return super().forward(x)
+        return MesaSmoothFunction.apply(x, lambda t: F.mish(t, self.inplace), 'mish',
                                         self.inplace, self.saved_quantizer(x))
 
 
