@@ -1,10 +1,14 @@
-"""Chooses between the compiled kernels (CPU and CUDA) and the pure-PyTorch reference.
+"""Which implementation runs the quantizer: the compiled kernels or the pure-PyTorch reference.
 
-``'auto'`` runs the compiled kernels of the tensor's device (the CPU kernels for CPU tensors,
-the CUDA kernels for CUDA tensors), ``'cuda'`` requires CUDA tensors and the CUDA kernels,
+Three backends satisfy ``QuantBackend``, one signature per operation: ``kernels.CPU`` and
+``kernels.CUDA`` (the compiled extension ``mmseg_mesa._C``) and ``reference.REFERENCE``. Each
+declares the device types it runs and says why it cannot run a given device;
+``select_backend`` is the one place that picks among them. ``'auto'`` runs the compiled
+kernels of the tensor's device, ``'cuda'`` requires CUDA tensors and the CUDA kernels,
 ``'torch'`` always runs the reference; all three give the same codes. The extension is
-optional: when it is missing or unusable, ``'auto'`` uses the torch path and one warning says
-why; ``'cuda'`` then raises, because the user asked for the kernels explicitly.
+optional: when it is missing or cannot run a device, ``'auto'`` uses the reference and one
+warning says why; ``'cuda'`` then raises, because the user asked for the kernels explicitly.
+
 Before loading ``mmseg_mesa._C`` we compare what ``setup.py`` recorded in ``_build_info.py`` with
 the running torch: an extension built for another torch may fail to import or, worse, crash.
 """
@@ -12,17 +16,101 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Protocol
 
 import torch
 
+from .reference import REFERENCE
+
 REINSTALL = 'reinstall with `pip install --no-build-isolation --no-deps -e .`'
 
-_EXT: ModuleType | None = None
-_EXT_ERROR: str | None = None
-_LOADED = False
-_WARNED = False
-_DEVICE_ERRORS: dict[int, str | None] = {}
+
+class QuantBackend(Protocol):
+    """What the quantizer and ``saved.PackedMask`` run; the reference and the kernels alike.
+
+    Tensors are contiguous where the kernels need it (the callers make them so); ``lower``,
+    ``span``, ``scale`` are fp32 and ``seen`` bool, one per group, on ``x``'s device.
+    """
+
+    name: str  # how ``python -m mmseg_mesa.info`` names it
+    SUPPORTED_DEVICES: frozenset[str] | None  # device types it runs; None: every device
+
+    def not_supported_reasons(self, device: torch.device) -> list[str]:
+        """Why it cannot run tensors on ``device`` (empty: it can)."""
+        ...
+
+    def observe(self, x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
+                seen: torch.Tensor, group_dim: int, group_size: int, decay: float
+                ) -> torch.Tensor:
+        """Update the running estimates in place (``reference.ema_update``); return the
+        ``(2, G)`` range covering this batch."""
+        ...
+
+    def quantize(self, x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: int,
+                 group_dim: int, group_size: int, stochastic: bool,
+                 counter: tuple[int, int] | None = None, pack: bool = False) -> torch.Tensor:
+        """uint8 codes shaped like ``x``; with ``pack``, bit-packed and flat when
+        ``bits < 8``. Stochastic rounding draws at ``counter``, by default the device's next
+        stream position (``rounding.rounding_counter``)."""
+        ...
+
+    def dequantize(self, codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor,
+                   group_dim: int, group_size: int, dtype: torch.dtype, bits: int = 8,
+                   shape: torch.Size | None = None) -> torch.Tensor:
+        """``codes * scale + lower`` in ``dtype``, shaped ``shape`` (by default the codes')."""
+        ...
+
+    def observe_quantize(self, x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
+                         seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
+                         bits: int, stochastic: bool, pack: bool = False,
+                         counter: tuple[int, int] | None = None,
+                         mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``observe`` then ``quantize`` over its range: ``(codes, lower, scale)``; with
+        ``mean`` and ``rstd``, those of ``(x - mean) * rstd`` without building it
+        (``reference.observe_then_quantize``)."""
+        ...
+
+    def pack_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A mask as 1 bit per element, in ``bitpack``'s layout."""
+        ...
+
+    def unpack_mask(self, data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The bool tensor of ``shape`` that ``pack_mask`` packed into ``data``."""
+        ...
+
+    def pack_positive(self, x: torch.Tensor) -> torch.Tensor:
+        """``pack_mask(x > 0)``."""
+        ...
+
+    def mask_select(self, values: torch.Tensor, data: torch.Tensor, shape: torch.Size
+                    ) -> torch.Tensor:
+        """``torch.where(unpack_mask(data, shape), values, 0)``."""
+        ...
+
+
+@dataclass
+class ExtensionState:
+    """What this process knows about the compiled extension.
+
+    Process-wide because each fact is: a shared library loads once per process (and a load that
+    failed is not retried at every pack), a GPU's architecture does not change while the
+    process runs, and the warning that the slower reference runs instead is given once per
+    process, not once per layer. Tests replace ``EXTENSION`` to stand for other builds.
+    """
+
+    loaded: bool = False  # whether loading was tried
+    module: ModuleType | None = None  # ``mmseg_mesa.kernels`` once loaded and usable
+    error: str | None = None  # why it is not usable
+    warned: bool = False  # whether the fallback warning was given
+    # per CUDA device index: why the kernels cannot run there (None: they can)
+    device_errors: dict[int, str | None] = field(default_factory=dict)
+
+
+EXTENSION = ExtensionState()
+_CPU = torch.device('cpu')
 
 
 def build_info() -> ModuleType | None:
@@ -48,23 +136,23 @@ def _unusable_reason() -> str | None:
 
 def load_extension() -> tuple[ModuleType | None, str | None]:
     """Load the kernels once; return (``mmseg_mesa.kernels`` or None, why they are unavailable)."""
-    global _EXT, _EXT_ERROR, _LOADED
-    if not _LOADED:
-        _LOADED = True
-        _EXT_ERROR = _unusable_reason()
-        if _EXT_ERROR is None:
+    state = EXTENSION
+    if not state.loaded:
+        state.loaded = True
+        state.error = _unusable_reason()
+        if state.error is None:
             try:
                 from . import kernels
             except (ImportError, OSError, AttributeError) as err:  # missing .so, symbols, ...
-                _EXT_ERROR = f'mmseg_mesa._C failed to load ({type(err).__name__}: {err})'
+                state.error = f'mmseg_mesa._C failed to load ({type(err).__name__}: {err})'
             else:
                 if kernels.TORCH_VERSION != torch.__version__.split('+')[0]:
-                    _EXT_ERROR = (f'mmseg_mesa._C was compiled against torch headers '
-                                  f'{kernels.TORCH_VERSION}, but torch {torch.__version__} is '
-                                  f'running; {REINSTALL}')
+                    state.error = (f'mmseg_mesa._C was compiled against torch headers '
+                                   f'{kernels.TORCH_VERSION}, but torch {torch.__version__} is '
+                                   f'running; {REINSTALL}')
                 else:
-                    _EXT = kernels
-    return _EXT, _EXT_ERROR
+                    state.module = kernels
+    return state.module, state.error
 
 
 def _parse_arch(entry: str) -> tuple[int, int, bool, bool] | None:
@@ -94,53 +182,66 @@ def device_error(device: torch.device) -> str | None:
     """Why the loaded kernels cannot run on ``device`` (an architecture they were not built
     for), or None."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _DEVICE_ERRORS:
+    errors = EXTENSION.device_errors
+    if index not in errors:
         info = build_info()
         capability = torch.cuda.get_device_capability(index)
         archs = info.CUDA_ARCH_LIST if info is not None else None
         covered = arch_covers(archs, capability) if archs else None
-        _DEVICE_ERRORS[index] = None if covered is not False else (
+        errors[index] = None if covered is not False else (
             f'mmseg_mesa._C was built for TORCH_CUDA_ARCH_LIST={archs!r}, which does not cover '
             f'cuda:{index} (sm_{capability[0]}{capability[1]}); set TORCH_CUDA_ARCH_LIST and '
             f'{REINSTALL}')
-    return _DEVICE_ERRORS[index]
+    return errors[index]
 
 
-def cuda_kernels_error(ext: ModuleType, device: torch.device) -> str | None:
-    """Why the loaded extension cannot run CUDA tensors on ``device``, or None."""
-    if not ext.CUDA_KERNELS:
-        info = build_info()
-        reason = getattr(info, 'CUDA_SKIP_REASON', None) or 'not built'
-        return f'mmseg_mesa._C has no CUDA kernels ({reason})'
-    return device_error(device)
-
-
-def kernels_for(x: torch.Tensor, backend: str) -> ModuleType | None:
-    """The kernel module to use for ``x`` under ``backend``, or None for the torch reference."""
-    global _WARNED
-    if backend == 'torch':
-        return None
-    if x.is_cpu and backend == 'auto':  # the usual case, first: every pack and unpack asks
-        ext = load_extension()[0]
-        if ext is not None:
-            return ext
-    if not x.is_cuda:
-        if backend == 'cuda':
-            raise RuntimeError("mesa backend='cuda' needs CUDA tensors; got a tensor on "
-                               f'{x.device}')
-        if x.device.type != 'cpu':  # meta, mps, ...: no kernels, the reference runs
-            return None
+def choose_backend(device: torch.device, requested: str = 'auto'
+                   ) -> tuple[QuantBackend, str | None]:
+    """The backend for tensors on ``device`` under ``requested``, and why the compiled kernels
+    do not run there where they were wanted and cannot (None otherwise). No warning, no error:
+    ``select_backend`` gives those; ``python -m mmseg_mesa.info`` reports this."""
+    if requested == 'torch':
+        return REFERENCE, None
     ext, error = load_extension()
-    if ext is not None:
-        error = cuda_kernels_error(ext, x.device) if x.is_cuda else None
-    if error is None:
-        return ext
-    if backend == 'cuda':
-        raise RuntimeError(f"mesa backend='cuda' but the CUDA extension is unavailable ({error})")
-    if not _WARNED:
-        _WARNED = True
-        kind = 'CUDA kernels' if x.is_cuda else 'compiled extension'
-        warnings.warn(f'mmseg_mesa: {kind} unavailable ({error}); using the slower '
-                      'pure-PyTorch quantizer. Run `python -m mmseg_mesa.info` for details.',
-                      stacklevel=3)
-    return None
+    if ext is None:
+        return REFERENCE, error
+    reasons: list[str] = []
+    for backend in ext.BACKENDS:
+        if device.type in backend.SUPPORTED_DEVICES:
+            why = backend.not_supported_reasons(device)
+            if not why:
+                return backend, None
+            reasons += why
+    # no kernels for this device type (meta, mps, ...): the reference, and nothing to explain
+    return REFERENCE, '; '.join(reasons) if reasons else None
+
+
+def select_backend(x: torch.Tensor, requested: str = 'auto') -> QuantBackend:
+    """The backend that runs ``x`` under ``requested`` (``'auto'``, ``'cuda'``, ``'torch'``).
+
+    The only place that decides. Asked of the tensor, CPU first: every unpack and mask asks,
+    and ``x.device`` builds a device object (a few us). Where ``'auto'`` falls back to the
+    reference for want of kernels, one warning per process says why; ``'cuda'`` raises.
+    """
+    if x.is_cpu:
+        if requested == 'auto':
+            ext = EXTENSION.module
+            if ext is not None:
+                return ext.CPU
+        device = _CPU
+    else:
+        device = x.device
+    if requested == 'cuda' and device.type != 'cuda':
+        raise RuntimeError(f"mesa backend='cuda' needs CUDA tensors; got a tensor on {device}")
+    backend, reason = choose_backend(device, requested)
+    if reason is not None:
+        if requested == 'cuda':
+            raise RuntimeError(
+                f"mesa backend='cuda' but the CUDA extension is unavailable ({reason})")
+        if not EXTENSION.warned:
+            EXTENSION.warned = True
+            kind = 'CUDA kernels' if device.type == 'cuda' else 'compiled extension'
+            warnings.warn(f'mmseg_mesa: {kind} unavailable ({reason}); using the slower '
+                          'pure-PyTorch quantizer. Run `python -m mmseg_mesa.info` for '
+                          'details.', stacklevel=3)
+    return backend

@@ -13,6 +13,12 @@ def _built_kernels(info) -> str:
     return ' + '.join(kinds) if kinds else 'none'
 
 
+def _auto(device: torch.device) -> str:
+    """What ``backend='auto'`` runs on ``device``, and why where it is not the kernels."""
+    backend, reason = _backend.choose_backend(device, 'auto')
+    return backend.name if reason is None else f'torch (pure-PyTorch reference; {reason})'
+
+
 def collect() -> dict[str, str]:
     """The report as ordered ``label -> value`` lines."""
     report = {'mmseg_mesa': __version__, 'torch': torch.__version__,
@@ -49,17 +55,11 @@ def collect() -> dict[str, str]:
             if getattr(info, 'CUDA_KERNELS', False):
                 report['built for archs'] = f'TORCH_CUDA_ARCH_LIST={info.CUDA_ARCH_LIST}'
 
-    report["backend='auto' for CPU tensors"] = (
-        'cpu kernels' if kernels is not None else f'torch (pure-PyTorch reference; {error})')
-    if kernels is None:
-        auto = f'torch (pure-PyTorch reference; {error})'
-    elif not kernels.CUDA_KERNELS:
-        auto = f'torch ({_backend.cuda_kernels_error(kernels, torch.device("cuda", 0))})'
-    elif not gpu:
+    report["backend='auto' for CPU tensors"] = _auto(torch.device('cpu'))
+    if gpu or kernels is None or not kernels.CUDA_KERNELS:
+        auto = _auto(torch.device('cuda', index if gpu else 0))
+    else:  # which architecture the kernels must run is unknown until a GPU is visible
         auto = 'cuda kernels (once a GPU is visible)'
-    else:
-        device_error = _backend.device_error(torch.device('cuda', index))
-        auto = 'cuda kernels' if device_error is None else f'torch ({device_error})'
     report["backend='auto' for CUDA tensors"] = auto
     return report
 

@@ -1,24 +1,25 @@
-"""The compiled kernels, as the functions ``quantizer.py`` calls through ``_backend``.
+"""The compiled kernels: the ops of ``mmseg_mesa._C`` as functions, and the two backends
+(``CPU``, ``CUDA``) that ``_backend.select_backend`` picks among.
 
 Importing this module loads ``mmseg_mesa._C``, which registers ``torch.ops.mmseg_mesa.*`` with
 CPU kernels and, in a CUDA build, CUDA kernels (sources in ``csrc/``; their arithmetic is one
 header, ``csrc/mesa_numerics.h``). Each function mirrors a step of the pure-PyTorch reference
-(``reference.py`` for quantize / dequantize, ``quantizer.py`` for the running estimates) and
-gives bit-identical results under both roundings.
+(``reference.py``) and gives bit-identical results under both roundings; the backends give them
+the signature of ``reference.Reference``.
 
-Supported: contiguous CPU or CUDA tensors of float32, float16, bfloat16 or float64; fp32
-per-group ``lower``/``scale``/``span`` and bool ``seen`` of shape ``(ceil(channels /
-group_size),)`` on the same device.
+Supported: contiguous CPU or CUDA tensors of float32, float16, bfloat16 or float64 (the ops
+refuse others with a message saying so); fp32 per-group ``lower``/``scale``/``span`` and bool
+``seen`` of shape ``(ceil(channels / group_size),)`` on the same device.
 """
 from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (registers torch.ops.mmseg_mesa)
-from .reference import scale_from_span
+from . import _C, _backend  # importing _C registers torch.ops.mmseg_mesa
+from .reference import REFERENCE
+from .reference import observe_then_quantize as _observe_then_quantize
 from .rounding import rounding_counter
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TORCH_VERSION: str = _C.TORCH_VERSION
 CPU_KERNELS: bool = bool(_C.CPU_KERNELS)
 # Whether the CPU kernels run on torch's intra-op threads (false: built without OpenMP).
@@ -36,23 +37,11 @@ def _int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def supports(device: torch.device) -> bool:
-    """Whether this build has kernels for ``device``'s type."""
-    return CPU_KERNELS if device.type == 'cpu' else device.type == 'cuda' and CUDA_KERNELS
-
-
 def observe(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor, seen: torch.Tensor,
             group_dim: int, group_size: int, decay: float) -> torch.Tensor:
     """Update the running estimates in place (``group_min_max`` + ``ema_update``) and return
     the ``(2, G)`` range covering this batch, as ``ema_update`` does."""
     return _ops.observe(x, lower, span, seen, group_dim, group_size, decay)
-
-
-def fuses(x: torch.Tensor) -> bool:
-    """Whether ``observe_quantize`` is one fused kernel for ``x`` (it is on CPU; elsewhere it
-    runs ``observe`` and ``quantize`` in turn and takes no ``mean`` / ``rstd``). Asked of the
-    tensor: a device object costs a few us, and every pack asks."""
-    return x.is_cpu
 
 
 def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
@@ -68,9 +57,9 @@ def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
     ``(x - mean) * rstd``, and the codes and affine are those of that standardized tensor
     (``ActivationQuantizer.pack_standardized``); CPU only.
     On CPU one kernel does it all: the per-call cost of the small ops in between is most of
-    what a small layer pays for Mesa.
+    what a small layer pays for Mesa. Elsewhere it is ``observe_then_quantize``.
     """
-    if not fuses(x):
+    if not x.is_cpu:
         if mean is not None or rstd is not None:
             raise ValueError(f'observe_quantize: mean and rstd need CPU tensors, got {x.device}')
         return observe_then_quantize(x, lower, span, seen, group_dim, group_size, decay, bits,
@@ -88,12 +77,8 @@ def observe_then_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tens
                           counter: tuple[int, int] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``observe_quantize`` as two kernel calls and the scale in between (any device)."""
-    cover = observe(x, lower, span, seen, group_dim, group_size, decay)
-    # lower gets its own storage: the saved codes should not pin the span row too
-    used_lower = cover[0].clone()
-    scale = scale_from_span(cover[1], bits)
-    codes = quantize(x, used_lower, scale, bits, group_dim, group_size, stochastic, counter, pack)
-    return codes, used_lower, scale
+    return _observe_then_quantize(observe, quantize, x, lower, span, seen, group_dim,
+                                  group_size, decay, bits, stochastic, pack, counter)
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -147,3 +132,97 @@ def dequantize(codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, gr
             raise ValueError('dequantize: bit-packed codes need the shape they were packed from')
         shape = codes.shape
     return _ops.dequantize(codes, lower, scale, bits, list(shape), group_dim, group_size, dtype)
+
+
+class CpuKernels:
+    """The compiled kernels for CPU tensors: observing and quantizing in one call (standardized
+    values included), and the 1-bit mask kernels. Masks of other dtypes than the kernels read
+    (bool masks, floating values) are left to the reference's torch ops."""
+
+    name = 'cpu kernels'
+    SUPPORTED_DEVICES = frozenset({'cpu'})
+
+    def not_supported_reasons(self, device: torch.device) -> list[str]:
+        # every build has the CPU kernels (setup.py), so only the device can rule them out
+        if device.type not in self.SUPPORTED_DEVICES:
+            return [f'{self.name} run CPU tensors only, not {device.type}']
+        return []
+
+    observe = staticmethod(observe)
+    quantize = staticmethod(quantize)
+    dequantize = staticmethod(dequantize)
+    observe_quantize = staticmethod(observe_quantize)
+
+    @staticmethod
+    def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+        if mask.dtype != torch.bool:
+            return REFERENCE.pack_mask(mask)
+        return _ops.pack_mask(mask.contiguous())
+
+    @staticmethod
+    def unpack_mask(data: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        return _ops.unpack_mask(data.contiguous(), list(shape))
+
+    @staticmethod
+    def pack_positive(x: torch.Tensor) -> torch.Tensor:
+        """One pass, without the bool tensor ``x > 0``."""
+        if not x.is_floating_point():
+            return CpuKernels.pack_mask(x > 0)
+        return _ops.pack_positive(x.contiguous())
+
+    @staticmethod
+    def mask_select(values: torch.Tensor, data: torch.Tensor, shape: torch.Size
+                    ) -> torch.Tensor:
+        """One pass over the packed bits, where unpacking and ``torch.where`` took ten times as
+        long as torch's own ReLU backward."""
+        if not values.is_floating_point() or values.shape != shape:
+            return torch.where(CpuKernels.unpack_mask(data, shape), values, 0)
+        return _ops.mask_select(values.contiguous(), data.contiguous())
+
+
+class CudaKernels:
+    """The compiled kernels for CUDA tensors: observe, quantize and dequantize, one kernel each.
+
+    ``observe_quantize`` runs ``observe`` and ``quantize`` in turn; standardized values are
+    observed by the reference (``reference.observe_then_quantize``) and quantized here. Masks
+    run the reference's torch ops: there are no CUDA mask kernels.
+    """
+
+    name = 'cuda kernels'
+    SUPPORTED_DEVICES = frozenset({'cuda'})
+
+    def not_supported_reasons(self, device: torch.device) -> list[str]:
+        if device.type not in self.SUPPORTED_DEVICES:
+            return [f'{self.name} run CUDA tensors only, not {device.type}']
+        if not CUDA_KERNELS:
+            info = _backend.build_info()
+            reason = getattr(info, 'CUDA_SKIP_REASON', None) or 'not built'
+            return [f'mmseg_mesa._C has no CUDA kernels ({reason})']
+        error = _backend.device_error(device)
+        return [] if error is None else [error]
+
+    observe = staticmethod(observe)
+    quantize = staticmethod(quantize)
+    dequantize = staticmethod(dequantize)
+
+    @staticmethod
+    def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
+                         seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
+                         bits: int, stochastic: bool, pack: bool = False,
+                         counter: tuple[int, int] | None = None,
+                         mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _observe_then_quantize(observe, quantize, x, lower, span, seen, group_dim,
+                                      group_size, decay, bits, stochastic, pack, counter, mean,
+                                      rstd)
+
+    pack_mask = staticmethod(REFERENCE.pack_mask)
+    unpack_mask = staticmethod(REFERENCE.unpack_mask)
+    pack_positive = staticmethod(REFERENCE.pack_positive)
+    mask_select = staticmethod(REFERENCE.mask_select)
+
+
+CPU = CpuKernels()
+CUDA = CudaKernels()
+# In the order the dispatcher tries them; each runs the device types it declares.
+BACKENDS = (CPU, CUDA)

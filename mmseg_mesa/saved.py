@@ -8,24 +8,20 @@ flattened into their tensors here and rebuilt in backward; layers never see the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from . import _backend
-from .bitpack import pack_mask, unpack_mask
+from ._backend import QuantBackend, select_backend
 from .codes import Codes, is_codes
 from .handoff import SAVED_LABEL
 
 
-def _mask_kernels(t: torch.Tensor) -> ModuleType | None:
-    """The compiled kernels for a mask on ``t``'s device: CPU only, when the extension is
-    loaded (one call, where ``bitpack``'s torch ops take a dozen: most of what a small mask
-    costs to pack)."""
-    if not t.is_cpu:
-        return None
-    return _backend.load_extension()[0]
+def _mask_backend(t: torch.Tensor) -> QuantBackend:
+    """The backend for a mask on ``t``'s device, as ``backend='auto'`` picks it: on CPU the
+    compiled kernels where the extension loads (one call, where ``bitpack``'s torch ops take a
+    dozen: most of what a small mask costs to pack); elsewhere ``bitpack``'s torch ops."""
+    return select_backend(t, 'auto')
 
 
 @dataclass
@@ -37,33 +33,20 @@ class PackedMask:
 
     @classmethod
     def of(cls, mask: torch.Tensor) -> PackedMask:
-        kernels = _mask_kernels(mask)
-        if kernels is None or mask.dtype != torch.bool:
-            return cls(pack_mask(mask), mask.shape)
-        return cls(kernels.pack_mask(mask.contiguous()), mask.shape)
+        return cls(_mask_backend(mask).pack_mask(mask), mask.shape)
 
     @classmethod
     def positive(cls, x: torch.Tensor) -> PackedMask:
         """The mask of ``x > 0`` (a ReLU's output), packed without the bool tensor on CPU."""
-        kernels = _mask_kernels(x)
-        if kernels is None or not x.is_floating_point():
-            return cls.of(x > 0)
-        return cls(kernels.pack_positive(x.contiguous()), x.shape)
+        return cls(_mask_backend(x).pack_positive(x), x.shape)
 
     def unpack(self) -> torch.Tensor:
-        kernels = _mask_kernels(self.data)
-        if kernels is None:
-            return unpack_mask(self.data, self.shape)
-        return kernels.unpack_mask(self.data.contiguous(), self.shape)
+        return _mask_backend(self.data).unpack_mask(self.data, self.shape)
 
     def select(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` where the mask is set, else 0 (``values`` shaped like the mask): one pass
-        over the packed bits on CPU, where unpacking and ``torch.where`` took ten times as
-        long as torch's own ReLU backward."""
-        kernels = _mask_kernels(values)
-        if kernels is None or not values.is_floating_point() or values.shape != self.shape:
-            return torch.where(self.unpack(), values, 0)
-        return kernels.mask_select(values.contiguous(), self.data.contiguous())
+        """``values`` where the mask is set, else 0 (``values`` shaped like the mask, or
+        broadcasting against it)."""
+        return _mask_backend(values).mask_select(values, self.data, self.shape)
 
 
 Saveable = torch.Tensor | Codes | PackedMask | None

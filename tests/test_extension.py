@@ -30,6 +30,7 @@ from mmseg_mesa.quantizer import (
     unpack,
 )
 from mmseg_mesa.reference import (
+    REFERENCE,
     dequantize_packed_reference,
     dequantize_reference,
     philox4x32_10,
@@ -97,25 +98,27 @@ def test_extension_is_importable_when_built():
 @requires_build
 def test_auto_runs_the_cpu_kernels_for_cpu_tensors():
     kernels, _ = _backend.load_extension()
-    assert _backend.kernels_for(torch.zeros(1), 'auto') is kernels
-    assert _backend.kernels_for(torch.zeros(1), 'torch') is None
-    assert _backend.kernels_for(torch.zeros(1, device='meta'), 'auto') is None
+    assert _backend.select_backend(torch.zeros(1), 'auto') is kernels.CPU
+    assert _backend.select_backend(torch.zeros(1), 'torch') is REFERENCE
+    assert _backend.select_backend(torch.zeros(1, device='meta'), 'auto') is REFERENCE
     with pytest.raises(RuntimeError, match='needs CUDA tensors'):
-        _backend.kernels_for(torch.zeros(1), 'cuda')
+        _backend.select_backend(torch.zeros(1), 'cuda')
 
 
+@requires_build
 def test_build_without_cuda_kernels_falls_back_for_cuda_tensors(monkeypatch):
-    cpu_only = SimpleNamespace(CUDA_KERNELS=False)
-    monkeypatch.setattr(_backend, 'load_extension', lambda: (cpu_only, None))
+    cpu_only, _ = _backend.load_extension()
+    monkeypatch.setattr(cpu_only, 'CUDA_KERNELS', False)
+    monkeypatch.setattr(_backend, 'EXTENSION', _backend.ExtensionState(loaded=True,
+                                                                       module=cpu_only))
     monkeypatch.setattr(_backend, 'build_info', lambda: SimpleNamespace(
         CUDA_SKIP_REASON='not built: torch 2.13.0+cpu has no CUDA support'))
-    monkeypatch.setattr(_backend, '_WARNED', False)
     fake_cuda = SimpleNamespace(is_cuda=True, is_cpu=False, device=torch.device('cuda', 0))
     with pytest.warns(UserWarning, match='has no CUDA kernels .not built: torch 2.13.0'):
-        assert _backend.kernels_for(fake_cuda, 'auto') is None
+        assert _backend.select_backend(fake_cuda, 'auto') is REFERENCE
     with pytest.raises(RuntimeError, match='has no CUDA kernels'):
-        _backend.kernels_for(fake_cuda, 'cuda')
-    assert _backend.kernels_for(torch.zeros(1), 'auto') is cpu_only
+        _backend.select_backend(fake_cuda, 'cuda')
+    assert _backend.select_backend(torch.zeros(1), 'auto') is cpu_only.CPU
 
 
 def test_extension_built_for_another_torch_is_refused(monkeypatch):
@@ -139,30 +142,34 @@ def test_arch_coverage(archs, capability, covered):
     assert _backend.arch_covers(archs, capability) is covered
 
 
+def without_extension(monkeypatch):
+    """This process as if the extension had not been built."""
+    monkeypatch.setattr(_backend, 'EXTENSION', _backend.ExtensionState(
+        loaded=True, error='not built: test'))
+
+
 def test_auto_falls_back_with_one_warning_and_cuda_raises(monkeypatch):
-    monkeypatch.setattr(_backend, 'load_extension', lambda: (None, 'not built: test'))
-    monkeypatch.setattr(_backend, '_WARNED', False)
+    without_extension(monkeypatch)
     fake_cuda = SimpleNamespace(is_cuda=True, is_cpu=False, device=torch.device('cuda', 0))
     with pytest.warns(UserWarning, match='not built: test'):
-        assert _backend.kernels_for(fake_cuda, 'auto') is None
+        assert _backend.select_backend(fake_cuda, 'auto') is REFERENCE
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert _backend.kernels_for(fake_cuda, 'auto') is None  # warned once only
+        assert _backend.select_backend(fake_cuda, 'auto') is REFERENCE  # warned once only
     with pytest.raises(RuntimeError, match='not built: test'):
-        _backend.kernels_for(fake_cuda, 'cuda')
-    assert _backend.kernels_for(torch.zeros(1), 'auto') is None  # warned once already
+        _backend.select_backend(fake_cuda, 'cuda')
+    assert _backend.select_backend(torch.zeros(1), 'auto') is REFERENCE  # warned once already
     with pytest.raises(RuntimeError, match='needs CUDA tensors'):
-        _backend.kernels_for(torch.zeros(1), 'cuda')
+        _backend.select_backend(torch.zeros(1), 'cuda')
 
 
 def test_auto_warns_once_for_cpu_tensors_without_the_extension(monkeypatch):
-    monkeypatch.setattr(_backend, 'load_extension', lambda: (None, 'not built: test'))
-    monkeypatch.setattr(_backend, '_WARNED', False)
+    without_extension(monkeypatch)
     with pytest.warns(UserWarning, match='compiled extension unavailable .not built: test'):
-        assert _backend.kernels_for(torch.zeros(1), 'auto') is None
+        assert _backend.select_backend(torch.zeros(1), 'auto') is REFERENCE
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        assert _backend.kernels_for(torch.zeros(1), 'auto') is None
+        assert _backend.select_backend(torch.zeros(1), 'auto') is REFERENCE
 
 
 # ---------------------------------------------------------------- Philox4x32-10
@@ -444,7 +451,7 @@ def test_relu_mask_without_kernels(monkeypatch):
     x = special_values((5, 13), torch.float32)
     values = torch.randn(5, 13)
     with_kernels = saved.PackedMask.positive(x)
-    monkeypatch.setattr(saved, '_mask_kernels', lambda t: None)
+    monkeypatch.setattr(saved, '_mask_backend', lambda t: REFERENCE)
     plain = saved.PackedMask.positive(x)
     assert torch.equal(plain.data, with_kernels.data)
     assert torch.equal(plain.select(values), torch.where(x > 0, values, 0))

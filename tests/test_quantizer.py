@@ -330,3 +330,27 @@ def test_batchnorm_backward_holds_two_full_size_tensors(monkeypatch):
     want = torch.autograd.grad(torch.nn.functional.batch_norm(
         x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps), x, grad)[0]
     assert torch.nn.functional.cosine_similarity(x.grad.flatten(), want.flatten(), 0) > 0.999
+
+
+def test_quantizer_chooses_its_backend_once_per_device(monkeypatch):
+    """``select_backend`` is asked once per device a quantizer runs on; copies and pickles
+    choose again where they run (a pickle may load where the extension is missing)."""
+    import copy
+    import pickle
+
+    import mmseg_mesa.quantizer as quantizer
+    from mmseg_mesa.reference import REFERENCE
+    asked = []
+
+    def select(x, requested):
+        asked.append(requested)
+        return REFERENCE
+
+    q = ActivationQuantizer(spec(group_dim=1, group_size=1))
+    monkeypatch.setattr(quantizer, 'select_backend', select)
+    for _ in range(3):
+        q.pack(torch.randn(2, 3, 4))
+    q.observe(torch.randn(2, 3, 4))
+    assert asked == ['torch'] and q.backend_for(torch.zeros(1)) is REFERENCE
+    assert copy.deepcopy(q)._backends == {} and pickle.loads(pickle.dumps(q))._backends == {}
+    assert q._backends == {'cpu': REFERENCE}
