@@ -1,10 +1,13 @@
 """``python -m mmseg_mesa.info``: which Mesa backend runs here, for CPU and for CUDA tensors, and
-why."""
+why; and which module types Mesa converts, by layer type (read from the handler table, so a new
+layer shows here once it is registered)."""
 from __future__ import annotations
 
 import torch
 
 from . import __version__, _backend
+from .layer_types import opt_in_layer_types
+from .registry import handled_types, handler_for_type
 
 
 def _built_kernels(info) -> str:
@@ -61,7 +64,22 @@ def collect() -> dict[str, str]:
     else:  # which architecture the kernels must run is unknown until a GPU is visible
         auto = 'cuda kernels (once a GPU is visible)'
     report["backend='auto' for CUDA tensors"] = auto
+    opt_in = opt_in_layer_types()
+    for layer_type, names in converted_types().items():
+        label = f'{layer_type}, only when named' if layer_type in opt_in else layer_type
+        report[f'converts ({label})'] = ', '.join(names)
     return report
+
+
+def converted_types() -> dict[str, list[str]]:
+    """Layer type -> the names of the module types converted under it (subclasses whose forward
+    is their base's are converted too; ``convert_to_mesa``'s report names any it leaves)."""
+    by_type: dict[str, set[str]] = {}
+    for module_type in handled_types():
+        handler, reason = handler_for_type(module_type)
+        if handler is not None and reason is None:
+            by_type.setdefault(handler.layer_type, set()).add(module_type.__name__)
+    return {layer_type: sorted(names) for layer_type, names in sorted(by_type.items())}
 
 
 def main() -> None:

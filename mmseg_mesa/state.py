@@ -17,7 +17,7 @@ holds once for all models, and it is all here:
 - ``REUSE_COUNTERS``: the ``reuse.count_reuse`` blocks currently open.
 
 Two more live beside their types because they are of them: the extension's load state
-(``_backend``: loaded once, with the reason when it cannot be) and the hand-off maps
+(``_backend.EXTENSION``: loaded once, with the reason when it cannot be) and the hand-off maps
 (``handoff``: per tensor, each entry dies with its tensor).
 """
 from __future__ import annotations

@@ -269,3 +269,23 @@ def test_a_layer_type_keeps_one_set_of_properties(monkeypatch):
     assert 'props_test' in division_layer_types()
     with pytest.raises(ValueError, match="'props_test' is declared twice, differently"):
         declare_layer_type('props_test', nearest_rounding=True)
+
+
+def test_info_lists_what_each_registered_layer_converts():
+    """``python -m mmseg_mesa.info`` reads the handler table: every class registered with
+    ``mesa_layer`` shows under its layer type."""
+    from mmseg_mesa.info import collect, converted_types
+    from mmseg_mesa.registry import handled_types, layer_classes
+    listed = converted_types()
+    for cls in layer_classes().values():
+        bases = [t for t in handled_types()
+                 if getattr(_handler_convert(t), 'mesa_class', None) is cls]
+        assert bases, cls.__name__
+        assert all(t.__name__ in listed[cls.mesa_layer_type] for t in bases), cls.__name__
+    assert 'converts (activation)' in collect()
+
+
+def _handler_convert(module_type):
+    from mmseg_mesa.registry import handler_for_type
+    handler, _ = handler_for_type(module_type)
+    return handler.convert if handler is not None else None
