@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 MMCV_VERSION := 2.1.0
 
-.PHONY: env test lint demo benchmark benchmark-kernels benchmark-training info clean-ext
+.PHONY: env test test-quick lint demo benchmark benchmark-kernels benchmark-training info clean-ext
 
 $(PY):
 	$(PY_BOOT) -m venv $(VENV)
@@ -43,6 +43,10 @@ lint: env
 
 test: env lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+
+# The quick tier: every test but those marked slow (subprocesses, end-to-end runs, whole models).
+test-quick: env lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" tests
 
 # The main job: train the demo model with and without Mesa and compare memory and accuracy.
 demo: env

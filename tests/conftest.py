@@ -3,6 +3,15 @@ import math
 import pytest
 import torch
 
+SLOW = 'slow: starts a subprocess (a tool, a training run, a wheel build) or runs a whole model'
+
+
+def pytest_configure(config):
+    """The ``slow`` marker, also where pyproject.toml is not read: .ci/run runs the core tests
+    of an install from a copy of tests/ alone."""
+    if not any(line.split(':')[0].strip() == 'slow' for line in config.getini('markers')):
+        config.addinivalue_line('markers', SLOW)
+
 
 def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``test`` against ``reference``, in dB."""

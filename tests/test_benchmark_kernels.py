@@ -23,6 +23,7 @@ def test_every_op_is_timed_and_compared_with_the_reference():
         assert row['speedup_vs_torch'] > 0 and row['gb_per_s'] > 0
 
 
+@pytest.mark.slow
 def test_without_a_gpu_the_default_device_refuses():
     result = run_tool('benchmark_kernels', CUDA_VISIBLE_DEVICES='')
     assert result.returncode == 2, result.stderr[-2000:]

@@ -9,6 +9,7 @@ from tool_runs import run_tool
 from mmseg_mesa.bench.speed import step_times
 
 
+@pytest.mark.slow
 def test_ratio_is_the_median_of_each_rounds_ratio(tmp_path):
     """Each round times every mode once; the ratio is the median over rounds of a mode's time
     over the baseline's in the same round, so a machine that slows down for a few rounds

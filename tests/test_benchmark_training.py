@@ -67,6 +67,7 @@ def test_progress_line_reads_mmengine_log_lines():
     assert progress_line('12/03 - mmengine - INFO - Checkpoints will be saved to x') is None
 
 
+@pytest.mark.slow
 def test_quick_run_writes_json_plot_and_conclusion(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED='1')
     result = subprocess.run(
@@ -91,6 +92,7 @@ def test_quick_run_writes_json_plot_and_conclusion(tmp_path):
     assert (tmp_path / 'work' / 'training.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+@pytest.mark.slow
 def test_bad_modes_fail_with_a_clear_message(tmp_path):
     result = subprocess.run(
         [sys.executable, osp.join(REPO, 'tools', 'benchmark_training.py'), '--modes',

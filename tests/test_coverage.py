@@ -62,6 +62,7 @@ def mobilenet_v2(tmp_path_factory):
     return after, before
 
 
+@pytest.mark.slow
 def test_mobilenet_v2_leaves_little_uncompressed(mobilenet_v2):
     after, before = mobilenet_v2
     for result in (after, before):

@@ -115,6 +115,7 @@ def test_deterministic_and_idempotent(tmp_path, demo_root):
         assert a.read() != b.read()  # another seed, another scene
 
 
+@pytest.mark.slow
 def test_demo_quick_end_to_end(tmp_path):
     work_dir, data_root = tmp_path / 'work', tmp_path / 'data'
     env = dict(os.environ)

@@ -28,6 +28,8 @@ import textwrap
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # a two-process training run
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 MESA_CONFIG = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
 PLAIN_CONFIG = osp.join(ROOT, 'configs/demo/swin-mini_upernet_demo.py')

@@ -57,6 +57,7 @@ def run_info() -> str:
 
 # ---------------------------------------------------------------- every machine
 
+@pytest.mark.slow
 def test_info_command_reports_extension_state():
     out = run_info()
     assert torch.__version__ in out
@@ -479,6 +480,7 @@ def on_the_portable_path(tmp_path, script: str, x: torch.Tensor) -> torch.Tensor
     return torch.load(tmp_path / 'out.pt')
 
 
+@pytest.mark.slow
 @requires_build
 def test_positive_mask_is_the_same_on_the_portable_path(tmp_path):
     """``pack_positive`` compares eight floats at a time with AVX2 where torch's CPU capability
@@ -499,6 +501,7 @@ torch.save(codes, sys.argv[2])
 """
 
 
+@pytest.mark.slow
 @requires_build
 def test_stochastic_rounding_draws_the_same_on_the_portable_path(tmp_path):
     """Where torch's CPU capability is AVX2 the draws are made eight blocks at a time with AVX2;

@@ -37,6 +37,7 @@ def load(out, name):
     return json.loads((out / name).read_text())
 
 
+@pytest.mark.slow
 def test_dry_run_passes_and_leaves_only_returnable_files(dry_run):
     proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -48,6 +49,7 @@ def test_dry_run_passes_and_leaves_only_returnable_files(dry_run):
     assert 'gpu_check summary' in proc.stdout  # the run tool shows the end of stdout
 
 
+@pytest.mark.slow
 def test_summary_says_what_ran_and_what_is_cuda_only(dry_run):
     _, out = dry_run
     summary = load(out, 'summary.json')
@@ -64,6 +66,7 @@ def test_summary_says_what_ran_and_what_is_cuda_only(dry_run):
         assert f'[{step}] ' in log, step
 
 
+@pytest.mark.slow
 def test_environment_report_matches_this_interpreter(dry_run):
     _, out = dry_run
     report = load(out, 'env.json')['before']
@@ -75,6 +78,7 @@ def test_environment_report_matches_this_interpreter(dry_run):
     assert report['presets'] == list(PRESETS)
 
 
+@pytest.mark.slow
 def test_junit_has_both_pytest_runs(dry_run):
     _, out = dry_run
     suites = {s.get('name'): s for s in ET.parse(out / 'tests.xml').getroot()}
@@ -86,6 +90,7 @@ def test_junit_has_both_pytest_runs(dry_run):
         assert int(main.get('skipped')) > 0
 
 
+@pytest.mark.slow
 def test_memory_benchmark_results(dry_run):
     _, out = dry_run
     results = load(out, 'memory.json')['batch_2']
@@ -99,6 +104,7 @@ def test_memory_benchmark_results(dry_run):
         modes['mesa:default']['saved_bytes'] / modes['baseline']['saved_bytes'], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_training_run_and_plain_checkpoint(dry_run):
     _, out = dry_run
     train = load(out, 'train.json')
@@ -111,6 +117,7 @@ def test_training_run_and_plain_checkpoint(dry_run):
     assert 0.0 <= run['miou'] <= 100.0  # the validation at the end of training
 
 
+@pytest.mark.slow
 def test_budget_guard_skips_steps_and_still_writes_the_summary(tmp_path):
     proc = gpu_check(tmp_path / 'out', tmp_path / 'work', '--budget', '25', timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -120,6 +127,7 @@ def test_budget_guard_skips_steps_and_still_writes_the_summary(tmp_path):
     assert 'env' in skipped and 'train' in skipped and 'memory_b2' in skipped
 
 
+@pytest.mark.slow
 def test_work_folder_inside_out_is_refused(tmp_path):
     proc = gpu_check(tmp_path / 'out', tmp_path / 'out' / 'work', timeout=60)
     assert proc.returncode == 2 and '--work must not be inside --out' in proc.stderr

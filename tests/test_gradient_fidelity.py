@@ -22,6 +22,7 @@ def gradient_fidelity(tmp_path, *args):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_error_is_small_next_to_minibatch_noise_and_averages_out(tmp_path):
     results = gradient_fidelity(tmp_path, DEMO, '--draws', '4', '--batch', '4', '--size', '64',
                                 '64', '--presets', 'config', 'paper')
@@ -41,6 +42,7 @@ def test_error_is_small_next_to_minibatch_noise_and_averages_out(tmp_path):
     assert results['presets']['paper']['rows'][0]['relative_error'] < 0.1 * noise
 
 
+@pytest.mark.slow
 def test_checkpoint_init_weights_and_cfg_options(tmp_path):
     """A checkpoint's weights are what is measured, and --cfg-options reaches the MesaConfig."""
     cfg = load_config(DEMO)
@@ -71,6 +73,7 @@ def test_error_coherence_tells_a_bias_from_independent_errors():
     assert error_coherence({'w': a - a}, 18.0) == 0.0  # they cancel
 
 
+@pytest.mark.slow
 def test_independent_batches_report_errors_and_coherence(tmp_path):
     results = gradient_fidelity(tmp_path, DEMO, '--batch', '2', '--size', '32', '32',
                                 '--batches', '3')

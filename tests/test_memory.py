@@ -71,6 +71,7 @@ def test_hooks_do_not_change_outputs():
     assert isinstance(y, torch.Tensor) and y.shape == (2, 4)
 
 
+@pytest.mark.slow
 def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
     out, png = tmp_path / 'r.json', tmp_path / 'r.png'
     result = run_tool('benchmark_memory', DEMO, '--modes', 'baseline', 'mesa', 'mesa:paper',
@@ -121,6 +122,7 @@ def test_benchmark_memory_names_the_renamed_preset():
         parse_mode('mesa:max-saving')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('argv, message', [
     (['--modes', 'mesa:mesa'], "preset 'mesa' was renamed to 'paper'"),
     (['--budget', '4GB'], 'is not a size'),
@@ -205,6 +207,7 @@ def test_step_peak_by_category_and_place():
     assert peak.phase in ('backward', 'optimizer') and peak.module in ('', '0', '1', '2')
 
 
+@pytest.mark.slow
 def test_budget_planner_predicts_the_measured_peak():
     from mmseg_mesa.bench.memory import plan_batches
     from mmseg_mesa.bench.models import build_model, load_config

@@ -9,6 +9,8 @@ from mmseg_models import DEIT_S, SWIN_T, batch, build_model, total_loss
 from mmseg_mesa import MesaModule, convert_to_mesa
 from mmseg_mesa.memory import count_saved_tensors
 
+pytestmark = pytest.mark.slow  # whole models
+
 MODELS = {'swin-t': SWIN_T, 'deit-s': DEIT_S}
 
 

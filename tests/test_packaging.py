@@ -158,6 +158,7 @@ def test_old_python_is_refused():
 
 # --- the wheel and an install from it ----------------------------------------------------
 
+@pytest.mark.slow
 def test_wheel_ships_the_package_and_the_configs(wheel, source):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
@@ -172,6 +173,7 @@ def test_wheel_ships_the_package_and_the_configs(wheel, source):
     assert not (source / 'mmseg_mesa' / '.mim').exists()
 
 
+@pytest.mark.slow
 def test_wheel_metadata(wheel):
     meta = metadata(wheel)
     assert meta['Version'] == version.__version__
@@ -184,6 +186,7 @@ def test_wheel_metadata(wheel):
     assert meta.get_payload().startswith('# mmseg-mesa')  # the README
 
 
+@pytest.mark.slow
 def test_declared_dependencies_are_met_by_the_pinned_stack(venv, source):
     """No index: pip must find torch, mmengine, mmcv, mmsegmentation, ... already installed."""
     python = venv / 'bin' / 'python'
@@ -192,6 +195,7 @@ def test_declared_dependencies_are_met_by_the_pinned_stack(venv, source):
     assert 'Would install mmseg_mesa' in out or 'Would install mmseg-mesa' in out, out
 
 
+@pytest.mark.slow
 def test_installed_package_imports_and_loads_its_configs(venv, tmp_path):
     python = venv / 'bin' / 'python'
     script = f'''
@@ -211,6 +215,7 @@ print(cfg.model.backbone.type, cfg.custom_hooks[0].type, cfg.mesa.bits, cfg.cust
     assert cfg.startswith("SwinTransformer MesaHook 8 {'imports': ['mmseg_mesa.integrations']")
 
 
+@pytest.mark.slow
 def test_installed_package_refuses_an_old_torch_at_import(venv, tmp_path):
     python = venv / 'bin' / 'python'
     result = run(python, '-c', "import torch; torch.__version__ = '2.1.2'; import mmseg_mesa",

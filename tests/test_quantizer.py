@@ -185,6 +185,7 @@ def test_piecewise_torch_path_equals_one_pass(monkeypatch, stochastic, bits, sha
         assert torch.equal(unpack(packed, out_dtype), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('bits', [4, 8])
 def test_torch_path_temporaries_are_a_small_fraction_of_the_activation(bits):
     from torch.distributed._tools.mem_tracker import MemTracker

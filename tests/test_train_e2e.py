@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # each test runs tools/ or reads what such a run wrote
+
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 MESA_CONFIG = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
 PLAIN_CONFIG = osp.join(ROOT, 'configs/demo/swin-mini_upernet_demo.py')

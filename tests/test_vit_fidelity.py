@@ -14,6 +14,8 @@ from mmseg_models import DEIT_S, SWIN_T, VIT_B_MLN, batch, build_model
 from mmseg_mesa import MesaConfig, convert_to_mesa
 from mmseg_mesa.bench.fidelity import cosines, gradients, relative_error
 
+pytestmark = pytest.mark.slow  # whole models, a training step each
+
 # config -> (largest whole-gradient relative error, smallest pos_embed cosine)
 LIMITS = {'default': (0.01, 0.999), 'layernorm-4bit': (0.10, 0.99)}
 CONFIGS = {'default': MesaConfig(), 'layernorm-4bit': MesaConfig(layer_bits={'layernorm': 4})}

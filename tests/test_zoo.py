@@ -79,6 +79,7 @@ def step(model, data):
     return losses, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', list(ZOO))
 def test_losses_bit_identical_gradients_close_nothing_large_left(name):
     config, options, size, max_left = ZOO[name]
@@ -122,6 +123,7 @@ def test_stdc1_holds_on_the_zoo_sweeps_batch():
         assert worst_cosine(grads, exact) >= 0.99
 
 
+@pytest.mark.slow  # reads what the zoo tests recorded
 def test_every_functional_handler_runs_in_a_zoo_model():
     """Runs after the zoo tests in this file (they record what was converted)."""
     assert len(CONVERTED_TYPES) == len(ZOO), 'run the whole file'
