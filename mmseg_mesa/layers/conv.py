@@ -140,11 +140,10 @@ class MesaConv1dFunction(torch.autograd.Function):
 
 def conv1d_reason(module: nn.Conv1d) -> str | None:
     """Why a Conv1d is left as it is, or None."""
-    if string_padding_reason(module) is not None:
-        return string_padding_reason(module)
-    if module.padding_mode != 'zeros':
+    reason = string_padding_reason(module)
+    if reason is None and module.padding_mode != 'zeros':
         return f'padding_mode={module.padding_mode!r} is not supported'
-    return None
+    return reason
 
 
 @mesa_layer(nn.Conv1d, 'conv1d', conv1d_reason, replaces=('forward', '_conv_forward'))
