@@ -1,10 +1,10 @@
 """Hand-offs: what one layer leaves for another layer that will meet the same tensor.
 
 A layer sometimes knows something about a tensor it returns that a later layer needs: the 8-bit
-codes it already made of it (so the next layer that saves it stores no second copy), that the
-tensor's one reader can give its input gradient back by parts, or what a saved tensor is (for
-saved-bytes reports). Such facts travel in one kind of object, a ``HandOff``: a map keyed by
-tensor identity that holds its entry exactly as long as the tensor lives (torch's
+codes it already made of it (so the next layer that saves it stores no second copy), or what a
+saved tensor is (for saved-bytes reports). Such facts travel in one kind of object, a
+``HandOff``: a map keyed by tensor identity that holds its entry exactly as long as the tensor
+lives (torch's
 ``WeakTensorKeyDictionary``). No attribute is ever set on a tensor, and a layer reads a hand-off
 only through the named instance below, so every coupling between layers is listed here.
 
@@ -20,7 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 V = TypeVar('V')
 
-__all__ = ['CODES', 'INPUT_GRADIENT_BY_PARTS', 'SAVED_LABEL', 'HandOff']
+__all__ = ['CODES', 'SAVED_LABEL', 'HandOff']
 
 
 class HandOff(Generic[V]):
@@ -49,11 +49,6 @@ class HandOff(Generic[V]):
 # the layer that made them to the next layer that saves the same tensor (``reuse``).
 CODES: HandOff[tuple[Any, int]] = HandOff(
     'codes', 'codes of this tensor another layer may save instead of packing it again')
-# An object with ``backward(ctx, grad)``: the tensor's one reader (a convolution) runs its
-# backward through it, which hands the input gradient out by channel slices instead of forming
-# it whole (UPerHead's fused FPN levels).
-INPUT_GRADIENT_BY_PARTS: HandOff[Any] = HandOff(
-    'input gradient by parts', "computes the backward of this tensor's one reader by parts")
 # What a saved tensor is, for saved-bytes reports (``memory.count_saved_tensors``); autograd
 # packs a custom Function's saved tensors after its forward returns, so the label cannot be an
 # argument of the pack hook.

@@ -18,9 +18,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
 from .saved import SOFTMAX_OUTPUT, saved_label
 
@@ -73,14 +75,28 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
         for tensor in list(model.parameters()) + list(model.buffers()):
             if tensor.numel():
                 excluded.add(storage_key(tensor))
+        names: dict[int, tuple[str, str]] = {}
         for qualified, module in model.named_modules():
             if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
                 continue
             # converted modules count under the type they replaced, so modes compare by type
-            name = getattr(module, 'mesa_original_type', type(module).__name__)
-            handles.append(module.register_forward_pre_hook(
-                lambda _m, _i, entry=(qualified, name): stack.append(entry)))
-            handles.append(module.register_forward_hook(lambda *_: stack.pop() and None))
+            names[id(module)] = (qualified, getattr(module, 'mesa_original_type',
+                                                    type(module).__name__))
+
+        # Global module hooks, not hooks on the model's modules: counting must not change what
+        # a module sees of itself (a layer that runs a child's steps itself where it has no
+        # hooks of its own, ``MesaUPerHead``'s fused bottleneck, would run otherwise).
+        def enter(module: nn.Module, _: Any) -> None:
+            entry = names.get(id(module))
+            if entry is not None:
+                stack.append(entry)
+
+        def leave(module: nn.Module, *_: Any) -> None:
+            if id(module) in names:
+                stack.pop()
+
+        handles.append(register_module_forward_pre_hook(enter))
+        handles.append(register_module_forward_hook(leave))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.numel():

@@ -2,11 +2,10 @@
 
 An attention map is saved by its softmax and again by ``attn @ v``; a GELU's input by the GELU
 and its output by the next Linear; a LayerNorm's normalized input by the norm and its output (a
-per-channel affine of it) by the next Linear; UPerHead's fused FPN outputs by their own convs
-and by the bottleneck. The layer that packs first offers its codes for the tensor
-(``attach_codes``, through the hand-off ``handoff.CODES``); a later layer that saves the same
-tensor takes them (``packed_reusing``) when they are what its own quantizer would store, and
-packs again otherwise.
+per-channel affine of it) by the next Linear. The layer that packs first offers its codes for
+the tensor (``attach_codes``, through the hand-off ``handoff.CODES``); a later layer that saves
+the same tensor takes them (``packed_reusing``) when they are what its own quantizer would
+store, and packs again otherwise.
 
 ``count_reuse`` makes that visible: per layer type, how many saves took attached codes (hits),
 how many found codes they could not use (misses, with the reason: a preset whose 4-bit norm

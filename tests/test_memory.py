@@ -128,6 +128,7 @@ def test_benchmark_memory_names_the_renamed_preset():
     (['--budget', '4GB'], 'is not a size'),
     (['--check'], 'give --budget SIZE'),
     (['--search'], 'give --budget SIZE'),
+    (['--check-batch', '8'], 'give --budget SIZE'),
     (['--budget', '4', '--search', '--device', 'cpu'], 'needs --device cuda'),
     (['--max-batch', '4'], 'unrecognized arguments: --max-batch'),
 ])
@@ -209,14 +210,20 @@ def test_step_peak_by_category_and_place():
 
 @pytest.mark.slow
 def test_budget_planner_predicts_the_measured_peak():
-    from mmseg_mesa.bench.memory import plan_batches
+    from mmseg_mesa.bench.memory import format_plans, plan_batches
     from mmseg_mesa.bench.models import build_model, load_config
     cfg = load_config(DEMO)
     budget = parse_bytes('51.2MiB')
     mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
     plans = plan_batches(build_model(cfg, 'cpu'), cfg, ['mesa'], mesa_config, 2, (32, 32), 'cpu',
-                         budget, check=True, search=False)
+                         [budget, 2 * budget], check=True, search=False, check_batch=3)
     plan = plans['mesa']
+    assert [f['budget_bytes'] for f in plan['fits']] == [budget, 2 * budget]
+    assert plan['fits'][0]['max_batch'] == plan['max_batch'] < plan['fits'][1]['max_batch']
+    assert [c['batch'] for c in plan['checks']] == [plan['max_batch'], 3]
+    assert all(abs(c['error']) < 0.10 for c in plan['checks']), plan['checks']
+    table = format_plans(plans, (32, 32))
+    assert '51.2 MiB' in table and '102.4 MiB' in table and 'checked' in table
     assert plan['batches'] == [2, 4]
     assert plan['max_batch'] > 4  # a real extrapolation, beyond the two measured batches
     assert abs(plan['error']) < 0.10, plan

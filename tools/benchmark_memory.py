@@ -2,7 +2,7 @@
 
     python tools/benchmark_memory.py [CONFIG] [--modes baseline mesa ...] [--batch 2]
         [--size 512 512] [--device cpu|cuda] [--iters N] [--json PATH] [--plot PATH]
-        [--budget SIZE [--check] [--search]]
+        [--budget SIZE [SIZE ...] [--check] [--check-batch N] [--search]]
 
 Every mode runs on the same inputs in this one process. For each: the **peak** tensor memory of
 one full training step (forward, backward, the config's optimizer step; measured after one
@@ -20,12 +20,14 @@ otherwise), ``mesa:PRESET`` for every other preset of ``mmseg_mesa.config.PRESET
 ``--cfg-options`` changes the config as in ``tools/train.py``; ``mesa.*`` keys change what the
 ``mesa`` mode measures (e.g. ``--cfg-options "mesa.division=[conv2d,batchnorm]"``).
 
-``--budget SIZE`` (GiB, or with a unit: ``4GiB``, ``512MiB``) answers "what fits?": for each mode
-(default: baseline and every preset) it measures the step peak at ``--batch`` B and 2B, fits
-peak = fixed + per_image * batch (``mmseg_mesa.memory.BatchPlan``: the peak is close to affine in
-the batch) and prints the largest batch whose predicted peak fits in SIZE; ``--check`` then runs
-that batch once per mode and reports predicted against measured; ``--search`` (CUDA) runs
-batches 1, 2, 4, ... and reports the largest whose step stayed within SIZE by
+``--budget SIZE [SIZE ...]`` (GiB, or with a unit: ``4GiB``, ``512MiB``) answers "what fits?": for
+each mode (default: baseline and every preset) it measures the step peak at ``--batch`` B and 2B,
+fits peak = fixed + per_image * batch (``mmseg_mesa.memory.BatchPlan``: the peak is close to affine
+in the batch) and prints the fixed part, the growth per image (and its ratio to the baseline's:
+at a large batch it sets what fits) and the largest batch whose predicted peak fits in each SIZE;
+``--check`` then runs the first SIZE's batch once per mode and reports predicted against
+measured, ``--check-batch N`` does the same at batch N; ``--search`` (CUDA) runs batches 1, 2,
+4, ... and reports the largest whose step stayed within the first SIZE by
 ``torch.cuda.max_memory_allocated`` (what the allocator saw).
 """
 from __future__ import annotations
@@ -87,20 +89,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='timed steps per mode (default: 1 on CPU, 5 on CUDA; 0: none)')
     parser.add_argument('--json', help='write the results as JSON here')
     parser.add_argument('--plot', help='write a PNG bar chart here')
-    parser.add_argument('--budget', type=budget_bytes, default=None, metavar='SIZE',
-                        help='predict the largest batch per mode whose step peak fits in SIZE '
-                             '(GiB, or with a unit: 4GiB, 512MiB), from peaks measured at '
+    parser.add_argument('--budget', type=budget_bytes, nargs='+', default=None, metavar='SIZE',
+                        help='predict the largest batch per mode whose step peak fits in each '
+                             'SIZE (GiB, or with a unit: 4GiB, 512MiB), from peaks measured at '
                              '--batch B and 2B')
     parser.add_argument('--check', action='store_true',
-                        help='with --budget: run the predicted batch once and compare')
+                        help="with --budget: run the first SIZE's predicted batch once and "
+                             'compare')
+    parser.add_argument('--check-batch', type=int, default=None, metavar='N',
+                        help='with --budget: run batch N once and compare with the prediction')
     parser.add_argument('--search', action='store_true',
                         help='with --budget, CUDA only: also run batches 1, 2, 4, ... and report '
                              'the largest whose step stayed within SIZE')
     add_cfg_options(parser)
     args = parser.parse_args(argv)
-    for flag in ('check', 'search'):
+    for flag in ('check', 'search', 'check_batch'):
         if getattr(args, flag) and args.budget is None:
-            parser.error(f'--{flag} works on the budget of --budget: give --budget SIZE')
+            parser.error(f'--{flag.replace("_", "-")} works on the budget of --budget: give '
+                         '--budget SIZE')
+    if args.check_batch is not None and args.check_batch < 1:
+        parser.error(f'--check-batch must be at least 1, got {args.check_batch}')
     if args.search and args.device != 'cuda':
         parser.error('--search measures peak CUDA memory: it needs --device cuda')
     if args.batch < 1:
@@ -123,10 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
                          batch=args.batch, size=list(size), iters=iters,
                          mesa=str(mesa_config), modes={})
     if args.budget is not None:
-        results.update(budget_bytes=args.budget, budget_gib=args.budget / 2 ** 30,
+        results.update(budget_bytes=args.budget[0], budget_gib=[b / 2 ** 30 for b in args.budget],
                        plans=plan_batches(base, cfg, args.modes, mesa_config, args.batch, size,
-                                          args.device, args.budget, args.check, args.search))
-        print(format_plans(results['plans'], args.budget, size))
+                                          args.device, args.budget, args.check, args.search,
+                                          args.check_batch))
+        print(format_plans(results['plans'], size))
         write_json(results, args.json)
         return results
     mib = 2 ** 20

@@ -184,11 +184,13 @@ def peak_at(base: torch.nn.Module, cfg: Any, mode: str, mesa_config: Any, batch_
 
 
 def plan_batches(base: torch.nn.Module, cfg: Any, modes: list[str], mesa_config: Any,
-                 batch: int, size: tuple[int, int], device: str, budget: int, check: bool,
-                 search: bool) -> dict:
-    """Per mode: step peaks at ``batch`` and ``2 * batch``, their ``BatchPlan`` and the largest
-    batch whose predicted peak fits in ``budget`` bytes; with ``check``, the measured peak at that
-    batch; with ``search``, the largest power-of-two batch that ran within it on CUDA."""
+                 batch: int, size: tuple[int, int], device: str, budgets: list[int],
+                 check: bool, search: bool, check_batch: int | None = None) -> dict:
+    """Per mode: step peaks at ``batch`` and ``2 * batch``, their ``BatchPlan``, and for each of
+    ``budgets`` (bytes) the largest batch whose predicted peak fits (``fits``; the first budget's
+    is also the summary's ``max_batch``). ``check``: the measured peak at the first budget's
+    batch; ``check_batch``: the measured peak at that batch; ``search``: the largest
+    power-of-two batch that ran within the first budget on CUDA."""
     from mmseg_mesa.memory import BatchPlan
     plans = {}
     for mode in modes:
@@ -199,37 +201,52 @@ def plan_batches(base: torch.nn.Module, cfg: Any, modes: list[str], mesa_config:
             fitted = BatchPlan.fit(batch, low, 2 * batch, high)
         except ValueError as error:
             raise SystemExit(f'{mode}: {error}') from None
-        plan = dict(fitted.summary(budget), phase_peaks_low=low, phase_peaks_high=high)
-        largest = plan['max_batch']
-        if check and largest:
-            print(f'checking {mode} at batch {largest} ...', flush=True)
-            measured = peak_at(base, cfg, mode, mesa_config, largest, size, device)['peak_bytes']
-            plan['measured_bytes'] = measured
-            plan['error'] = plan['predicted_bytes'] / measured - 1
+        plan = dict(fitted.summary(budgets[0]), phase_peaks_low=low, phase_peaks_high=high,
+                    fits=[dict(budget_bytes=b, max_batch=fitted.largest_batch(b))
+                          for b in budgets])
+        checks = [b for b in (plan['max_batch'] if check else None, check_batch) if b]
+        for checked in dict.fromkeys(checks):
+            print(f'checking {mode} at batch {checked} ...', flush=True)
+            measured = peak_at(base, cfg, mode, mesa_config, checked, size, device)['peak_bytes']
+            predicted = fitted.predict(checked)
+            plan.setdefault('checks', []).append(dict(
+                batch=checked, predicted_bytes=predicted, measured_bytes=measured,
+                error=predicted / measured - 1))
+        if check and plan['max_batch']:
+            plan.update({k: plan['checks'][0][k] for k in ('measured_bytes', 'error')})
         if search:
             print(f'searching {mode}: batches 1, 2, 4, ... on CUDA ...', flush=True)
-            plan['searched_batch'] = search_batch(base, cfg, mode, mesa_config, size, budget)
+            plan['searched_batch'] = search_batch(base, cfg, mode, mesa_config, size, budgets[0])
         plans[mode] = plan
     return plans
 
 
-def format_plans(plans: dict, budget: int, size: tuple[int, int]) -> str:
+def format_plans(plans: dict, size: tuple[int, int]) -> str:
+    """The fixed part, the growth per image (and its ratio to the baseline's) and the largest
+    batch in each budget, per mode; then the checks, predicted against measured."""
     from mmseg_mesa.memory import format_bytes
     mib = 2 ** 20
+    budgets = [f['budget_bytes'] for f in next(iter(plans.values()))['fits']]
+    base = plans.get('baseline')
     searched = any('searched_batch' in p for p in plans.values())
-    lines = [f'Largest batch whose step peak fits in {format_bytes(budget)} at '
-             f'{size[0]}x{size[1]} (each phase: fixed + per_image * batch, fitted at two '
-             'batches):',
-             f"{'mode':<17}{'fixed MiB':>11}{'MiB/image':>11}{'batch':>7}{'predicted MiB':>15}"
-             f"{'measured MiB':>14}{'error':>8}" + (f"{'searched':>10}" if searched else '')]
+    lines = [f'Step peak = fixed + per image x batch at {size[0]}x{size[1]} (each phase fitted at '
+             'two batches); the largest batch whose predicted peak fits in each budget:',
+             f"{'mode':<17}{'fixed MiB':>11}{'MiB/image':>11}{'ratio':>7}" +
+             ''.join(f'{format_bytes(b):>9}' for b in budgets) +
+             (f"{'searched':>10}" if searched else '')]
     for mode, p in plans.items():
-        predicted = (f"{p['predicted_bytes'] / mib:15.0f}" if p['predicted_bytes']
-                     else f"{'-':>15}")
-        measured = (f"{p['measured_bytes'] / mib:14.0f}{p['error']:+8.1%}"
-                    if 'measured_bytes' in p else f"{'-':>14}{'-':>8}")
+        ratio = (f"{p['per_image_bytes'] / base['per_image_bytes']:7.3f}" if base
+                 else f"{'-':>7}")
         lines.append(f"{mode:<17}{p['fixed_bytes'] / mib:11.0f}{p['per_image_bytes'] / mib:11.1f}"
-                     f"{p['max_batch']:7d}{predicted}{measured}" +
-                     (f"{p.get('searched_batch', '-'):>10}" if searched else ''))
+                     + ratio + ''.join(f"{f['max_batch']:9d}" for f in p['fits'])
+                     + (f"{p.get('searched_batch', '-'):>10}" if searched else ''))
+    checks = [(mode, c) for mode, p in plans.items() for c in p.get('checks', ())]
+    if checks:
+        lines.append(f"{'checked':<17}{'batch':>7}{'predicted MiB':>15}{'measured MiB':>14}"
+                     f"{'error':>8}")
+        for mode, c in checks:
+            lines.append(f"{mode:<17}{c['batch']:7d}{c['predicted_bytes'] / mib:15.0f}"
+                         f"{c['measured_bytes'] / mib:14.0f}{c['error']:+8.1%}")
     return '\n'.join(lines)
 
 

@@ -16,6 +16,7 @@ def register_openmmlab_handlers() -> None:
     from mmseg.models.decode_heads.da_head import DAHead
     from mmseg.models.decode_heads.decode_head import BaseDecodeHead
     from mmseg.models.decode_heads.knet_head import KernelUpdator
+    from mmseg.models.decode_heads.segformer_head import SegformerHead
     from mmseg.models.decode_heads.uper_head import UPerHead
     from mmseg.models.segmentors.encoder_decoder import EncoderDecoder
     from mmseg.models.utils.encoding import Encoding
@@ -32,6 +33,7 @@ def register_openmmlab_handlers() -> None:
         MesaRecomputedLossHead,
         own_loss_heads,
     )
+    from .segformer_head import MesaSegformerHead
     from .segmentor import MesaEncoderDecoder
     from .uper_head import MesaUPerHead
 
@@ -64,10 +66,14 @@ def register_openmmlab_handlers() -> None:
     for head in own_loss_heads():
         register_handler(head, 'loss', swap_to(MesaRecomputedLossHead),
                          replaces=('loss_by_feat',))
-    # UPerHead also fuses its FPN outputs without holding them twice; a subclass with its own
-    # _forward_feature falls back to the BaseDecodeHead handler above.
+    # UPerHead also fuses its FPN outputs a block of samples at a time; a subclass with its own
+    # _forward_feature, forward or cls_seg falls back to the BaseDecodeHead handler above.
     register_handler(UPerHead, 'loss', swap_to(MesaUPerHead),
-                     replaces=('loss_by_feat', '_forward_feature'))
+                     replaces=('loss_by_feat', '_forward_feature', 'forward', 'cls_seg'))
+    # SegFormer's head fuses its levels a block of samples at a time (a subclass with its own
+    # forward falls back to the BaseDecodeHead handler).
+    register_handler(SegformerHead, 'loss', swap_to(MesaSegformerHead),
+                     replaces=('loss_by_feat', 'forward', 'cls_seg'))
     # The segmentor lets UPerHead drop the feature levels it has read. A segmentor that hands
     # its features to its heads in its own way (CascadeEncoderDecoder) is left.
     register_handler(EncoderDecoder, 'loss', swap_to(MesaEncoderDecoder),

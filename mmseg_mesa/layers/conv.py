@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MesaConfig
-from ..handoff import INPUT_GRADIENT_BY_PARTS
 from ..quantizer import ActivationQuantizer
 from ..registry import mesa_layer
 from .autocast import no_autocast_backward, returns_owned
@@ -50,9 +49,6 @@ class MesaConv2dFunction(torch.autograd.Function):
                 quantizer: ActivationQuantizer, explicit_pad: tuple | None = None,
                 pad_mode: str = 'zeros') -> torch.Tensor:
         ctx.explicit_pad = (explicit_pad, pad_mode, x.shape) if explicit_pad else None
-        # A tensor whose one reader this conv is may come with a backward that hands the input
-        # gradient out by parts (UPerHead's fused FPN levels) instead of forming it whole.
-        ctx.by_parts = None if explicit_pad else INPUT_GRADIENT_BY_PARTS.get(x)
         if explicit_pad:
             # Reflect/replicate/circular padding: torch's pad would save the unpadded input in
             # full precision, so we pad here and undo it in backward.
@@ -63,9 +59,6 @@ class MesaConv2dFunction(torch.autograd.Function):
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.by_parts is not None:
-            return ctx.by_parts.backward(ctx, grad)
-
         def input_grad(grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, w, grad, *ctx.conv_args)
             return unpad_grad(grad_x, *ctx.explicit_pad) if ctx.explicit_pad else grad_x

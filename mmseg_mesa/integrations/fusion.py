@@ -1,0 +1,118 @@
+"""Running a head's fusion conv module over levels it would upsample and concatenate first.
+
+``fused_conv_module`` is ``conv_module(torch.cat([levels[0], *map(upsample, levels[1:])], 1))``
+through ``layers.level_fusion`` (the concatenation built a block of samples at a time, each level
+saved as codes at its own resolution), then the module's norm and activation on the whole
+output. ``fusion_quantizers`` says when a module can run that way: a plain mmcv ``ConvModule``
+whose conv is a converted one.
+"""
+from __future__ import annotations
+
+import torch
+from mmcv.cnn import ConvModule
+from torch import nn
+
+from ..config import MesaConfig
+from ..layers.base import make_quantizer
+from ..layers.conv import MesaConv2d
+from ..layers.level_fusion import FusionSpec, LevelFusionConvFunction, Upsample
+from ..quantizer import ActivationQuantizer
+
+
+def level_quantizers(config: MesaConfig, levels: int) -> nn.ModuleList | None:
+    """One quantizer per level for a fused conv's input codes (``FusedCodes``): the conv's own
+    config, one group per channel; None where convs keep no Mesa codes."""
+    conv_config = config.for_layer('conv2d')
+    if conv_config.compressor != 'mesa':
+        return None
+    return nn.ModuleList(make_quantizer(conv_config, 1) for _ in range(levels))
+
+
+def plain_conv_module(module: nn.Module) -> bool:
+    """An mmcv ``ConvModule`` whose forward is the conv, norm, act steps and nothing else: no
+    subclass, hooks, explicit padding or fused eval-mode conv-bn."""
+    return (type(module) is ConvModule and not module.with_explicit_padding
+            and module.efficient_conv_bn_eval_forward is None
+            and not (module._forward_pre_hooks or module._forward_hooks
+                     or module._backward_pre_hooks or module._backward_hooks))
+
+
+def after_conv(module: ConvModule, x: torch.Tensor) -> torch.Tensor:
+    """The steps of a plain ``ConvModule.forward`` after its conv (``x`` is the conv's output;
+    ``module.order`` starts with it)."""
+    for layer in module.order[1:]:
+        if layer == 'norm' and module.with_norm:
+            x = module.norm(x)
+        elif layer == 'act' and module.with_activation:
+            x = module.activate(x)
+    return x
+
+
+def classified(head: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:
+    """``head.cls_seg(holder.pop())`` (mmseg's ``BaseDecodeHead.cls_seg`` steps: dropout, then
+    ``conv_seg``) with no reference to the features left once the dropout has run: mmseg's
+    ``forward`` holds them through the whole classifier."""
+    x = holder.pop()
+    if head.dropout is not None:
+        x = head.dropout(x)
+    return head.conv_seg(x)
+
+
+def releasing_input(module: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:
+    """``module(holder.pop())``, but a plain mmcv ``ConvModule`` drops its input once its first
+    layer has run.
+
+    A module call keeps its arguments alive until it returns, so ``fpn_bottleneck(buffer)`` holds
+    the concatenation, the largest tensor of the head, through its BatchNorm and ReLU, though
+    only the conv reads it. The steps are ``ConvModule.forward``'s with ``activate`` and ``norm``
+    on. Anything else (a subclass, hooks on the module, explicit padding or the fused eval-mode
+    conv-bn) is called as it is.
+    """
+    x = holder.pop()
+    if not plain_conv_module(module):
+        return module(x)
+    if module.order[0] != 'conv':
+        for layer in module.order:
+            if layer == 'conv':
+                x = module.conv(x)
+            elif layer == 'norm' and module.with_norm:
+                x = module.norm(x)
+            elif layer == 'act' and module.with_activation:
+                x = module.activate(x)
+        return x
+    x = module.conv(x)
+    return after_conv(module, x)
+
+
+def fusion_quantizers(module: nn.Module, quantizers: nn.ModuleList | None,
+                      levels: list[torch.Tensor]) -> list[ActivationQuantizer] | None:
+    """The quantizers of ``levels`` when ``module`` (a fusion conv module) can run as
+    ``LevelFusionConvFunction``: a plain ``ConvModule`` whose first step is a converted, active,
+    ungrouped conv with zero padding and no hooks, whose quantizer keeps what ours keep."""
+    conv = getattr(module, 'conv', None)
+    if (quantizers is None or not plain_conv_module(module) or module.order[0] != 'conv'
+            or not isinstance(conv, MesaConv2d) or conv.padding_mode != 'zeros'
+            or conv.groups != 1 or conv._forward_pre_hooks or conv._forward_hooks
+            or not conv.mesa_active(levels[0], conv.weight)
+            or not isinstance(conv.quant_input, ActivationQuantizer)
+            or conv.quant_input.spec != quantizers[0].spec
+            or len(levels) != len(quantizers)):
+        return None
+    return list(quantizers)
+
+
+def fused_conv_module(module: ConvModule, quantizers: list[ActivationQuantizer],
+                      levels: list[torch.Tensor | None], upsample: Upsample) -> torch.Tensor:
+    """``module(torch.cat([levels[0], *map(upsample, levels[1:])], dim=1))`` with the
+    concatenation built a block of samples at a time (``LevelFusionConvFunction``); ``levels``
+    is emptied (the caller's references would keep every level to the end)."""
+    conv = module.conv
+    spec = FusionSpec(upsample, (conv.stride, conv.padding, conv.dilation, conv.groups),
+                      quantizers)
+    pieces = list(levels)
+    levels.clear()
+    x = LevelFusionConvFunction.apply(spec, conv.weight, conv.bias, *pieces)
+    del pieces  # not alive through the norm
+    return after_conv(module, x)
+
+
