@@ -2,7 +2,7 @@
 
     python tools/benchmark_memory.py [CONFIG] [--modes baseline mesa ...] [--batch 2]
         [--size 512 512] [--device cpu|cuda] [--iters N] [--json PATH] [--plot PATH]
-        [--budget SIZE [SIZE ...] [--check] [--check-batch N] [--search]]
+        [--budget SIZE [SIZE ...] [--second-batch N] [--check] [--check-batch N] [--search]]
 
 Every mode runs on the same inputs in this one process. For each: the **peak** tensor memory of
 one full training step (forward, backward, the config's optimizer step; measured after one
@@ -21,7 +21,8 @@ otherwise), ``mesa:PRESET`` for every other preset of ``mmseg_mesa.config.PRESET
 ``mesa`` mode measures (e.g. ``--cfg-options "mesa.division=[conv2d,batchnorm]"``).
 
 ``--budget SIZE [SIZE ...]`` (GiB, or with a unit: ``4GiB``, ``512MiB``) answers "what fits?": for
-each mode (default: baseline and every preset) it measures the step peak at ``--batch`` B and 2B,
+each mode (default: baseline and every preset) it measures the step peak at ``--batch`` B and 2B
+(``--second-batch N``: at N instead, where 2B would not fit the machine),
 fits peak = fixed + per_image * batch (``mmseg_mesa.memory.BatchPlan``: the peak is close to affine
 in the batch) and prints the fixed part, the growth per image (and its ratio to the baseline's:
 at a large batch it sets what fits) and the largest batch whose predicted peak fits in each SIZE;
@@ -96,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--check', action='store_true',
                         help="with --budget: run the first SIZE's predicted batch once and "
                              'compare')
+    parser.add_argument('--second-batch', type=int, default=None, metavar='N',
+                        help='with --budget: the second batch of the fit (default: 2 x --batch)')
     parser.add_argument('--check-batch', type=int, default=None, metavar='N',
                         help='with --budget: run batch N once and compare with the prediction')
     parser.add_argument('--search', action='store_true',
@@ -103,12 +106,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              'the largest whose step stayed within SIZE')
     add_cfg_options(parser)
     args = parser.parse_args(argv)
-    for flag in ('check', 'search', 'check_batch'):
+    for flag in ('check', 'search', 'check_batch', 'second_batch'):
         if getattr(args, flag) and args.budget is None:
             parser.error(f'--{flag.replace("_", "-")} works on the budget of --budget: give '
                          '--budget SIZE')
     if args.check_batch is not None and args.check_batch < 1:
         parser.error(f'--check-batch must be at least 1, got {args.check_batch}')
+    if args.second_batch is not None and args.second_batch == args.batch:
+        parser.error(f'--second-batch must differ from --batch ({args.batch})')
     if args.search and args.device != 'cuda':
         parser.error('--search measures peak CUDA memory: it needs --device cuda')
     if args.batch < 1:
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         results.update(budget_bytes=args.budget[0], budget_gib=[b / 2 ** 30 for b in args.budget],
                        plans=plan_batches(base, cfg, args.modes, mesa_config, args.batch, size,
                                           args.device, args.budget, args.check, args.search,
-                                          args.check_batch))
+                                          args.check_batch, args.second_batch))
         print(format_plans(results['plans'], size))
         write_json(results, args.json)
         return results

@@ -185,20 +185,23 @@ def peak_at(base: torch.nn.Module, cfg: Any, mode: str, mesa_config: Any, batch_
 
 def plan_batches(base: torch.nn.Module, cfg: Any, modes: list[str], mesa_config: Any,
                  batch: int, size: tuple[int, int], device: str, budgets: list[int],
-                 check: bool, search: bool, check_batch: int | None = None) -> dict:
-    """Per mode: step peaks at ``batch`` and ``2 * batch``, their ``BatchPlan``, and for each of
+                 check: bool, search: bool, check_batch: int | None = None,
+                 second_batch: int | None = None) -> dict:
+    """Per mode: step peaks at ``batch`` and ``second_batch`` (default ``2 * batch``), their
+    ``BatchPlan``, and for each of
     ``budgets`` (bytes) the largest batch whose predicted peak fits (``fits``; the first budget's
     is also the summary's ``max_batch``). ``check``: the measured peak at the first budget's
     batch; ``check_batch``: the measured peak at that batch; ``search``: the largest
     power-of-two batch that ran within the first budget on CUDA."""
     from mmseg_mesa.memory import BatchPlan
     plans = {}
+    second = second_batch or 2 * batch
     for mode in modes:
-        print(f'planning {mode}: peaks at batch {batch} and {2 * batch} ...', flush=True)
+        print(f'planning {mode}: peaks at batch {batch} and {second} ...', flush=True)
         low = peak_at(base, cfg, mode, mesa_config, batch, size, device)['phase_peaks']
-        high = peak_at(base, cfg, mode, mesa_config, 2 * batch, size, device)['phase_peaks']
+        high = peak_at(base, cfg, mode, mesa_config, second, size, device)['phase_peaks']
         try:
-            fitted = BatchPlan.fit(batch, low, 2 * batch, high)
+            fitted = BatchPlan.fit(batch, low, second, high)
         except ValueError as error:
             raise SystemExit(f'{mode}: {error}') from None
         plan = dict(fitted.summary(budgets[0]), phase_peaks_low=low, phase_peaks_high=high,
