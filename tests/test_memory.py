@@ -209,8 +209,8 @@ def test_step_peak_by_category_and_place():
 
 
 @pytest.mark.slow
-def test_budget_planner_predicts_the_measured_peak():
-    from mmseg_mesa.bench.memory import format_plans, plan_batches
+def test_budget_planner_predicts_the_measured_peak(tmp_path):
+    from mmseg_mesa.bench.memory import format_plans, plan_batches, plot_fits
     from mmseg_mesa.bench.models import build_model, load_config
     cfg = load_config(DEMO)
     budget = parse_bytes('51.2MiB')
@@ -224,6 +224,9 @@ def test_budget_planner_predicts_the_measured_peak():
     assert all(abs(c['error']) < 0.10 for c in plan['checks']), plan['checks']
     table = format_plans(plans, (32, 32))
     assert '51.2 MiB' in table and '102.4 MiB' in table and 'checked' in table
+    png = tmp_path / 'fits.png'
+    plot_fits([('demo', dict(plans=plans))], str(png))
+    assert png.stat().st_size > 10_000
     assert plan['batches'] == [2, 4]
     assert plan['max_batch'] > 4  # a real extrapolation, beyond the two measured batches
     assert abs(plan['error']) < 0.10, plan

@@ -382,3 +382,40 @@ def plot(results: dict, path: str) -> None:
                  f"{results['size'][0]}x{results['size'][1]}, {results['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_fits(runs: list[tuple[str, dict]], path: str) -> None:
+    """One panel per model: each mode's fitted step peak against the batch (the measured batches
+    as dots, the checked ones as crosses) and the budgets as horizontal lines."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    gib = 2 ** 30
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 4), squeeze=False)
+    for ax, (title, results) in zip(axes[0], runs):
+        plans = results['plans']
+        budgets = [f['budget_bytes'] for f in next(iter(plans.values()))['fits']]
+        largest = max(max(f['max_batch'] for f in p['fits']) for p in plans.values())
+        top = max(budgets) * 1.05
+        for i, (mode, p) in enumerate(plans.items()):
+            colour = plt.cm.tab10.colors[i % 10]
+            batches = range(0, largest + 2)
+            ax.plot(batches, [(p['fixed_bytes'] + p['per_image_bytes'] * b) / gib
+                              for b in batches],
+                    color=colour, label=f"{mode}: {p['per_image_bytes'] / 2 ** 20:.0f} MiB/image")
+            low, high = p['batches']
+            ax.scatter([low, high], [max(p['phase_peaks_low'].values()) / gib,
+                                     max(p['phase_peaks_high'].values()) / gib], color=colour)
+            for check in p.get('checks', ()):
+                ax.scatter([check['batch']], [check['measured_bytes'] / gib], color=colour,
+                           marker='x')
+        for budget in budgets:
+            ax.axhline(budget / gib, color='#bbb', linewidth=0.8, linestyle='--')
+        ax.set_ylim(0, top / gib)
+        ax.set_xscale('symlog', linthresh=8)
+        ax.set_xlabel('batch (images)')
+        ax.set_ylabel('step peak (GiB)')
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7, loc='upper left')
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
