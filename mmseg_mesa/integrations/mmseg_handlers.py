@@ -23,7 +23,7 @@ def register_openmmlab_handlers() -> None:
 
     from .attention import MesaWindowMSA
     from .encoding import MesaEncoding
-    from .mask_heads import mask_head_classes
+    from .mask_heads import mask_head_handlers
     from .mmcv_conv import MesaConv2dAdaptivePadding, MesaConvWS2d
     from .mmpretrain_modules import layer_norm_2d_class
     from .modules import (
@@ -53,9 +53,10 @@ def register_openmmlab_handlers() -> None:
     register_functional_handlers()
     register_handler(KernelUpdator, 'product', convert_kernel_updator, replaces=())
     # mmdet's mask-classification heads (Mask2Former, MaskFormer): each layer's own
-    # _loss_by_feat_single (Mask2Former overrides MaskFormer's), so one handler each.
-    for head, mesa_head in mask_head_classes().items():
-        register_handler(head, 'loss', swap_to(mesa_head), replaces=('_loss_by_feat_single',))
+    # _loss_by_feat_single (Mask2Former overrides MaskFormer's), so one handler each; mmseg's
+    # Mask2Former head also builds its ground-truth masks its own way.
+    for head, mesa_head, replaces in mask_head_handlers():
+        register_handler(head, 'loss', swap_to(mesa_head), replaces=replaces)
     for norm, mesa_norm in layer_norm_2d_class().items():
         register_handler(norm, 'layernorm', swap_to(mesa_norm), replaces=('forward',))
     # Heads override forward but not loss_by_feat, the one method the Mesa head replaces; a
