@@ -25,7 +25,7 @@ class MesaSegformerHead(MesaDecodeHead, SegformerHead):
 
     def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
-        self.mesa_fused_quantizers = level_quantizers(config, len(self.convs))
+        self.mesa_fused_quantizers = level_quantizers(config, len(getattr(self, 'convs', ())))
 
     def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         if not self.mesa_active(*inputs):
