@@ -135,9 +135,10 @@ class StepPeak:
         phase: ``'forward'``, ``'backward'`` or ``'optimizer'``: where the peak was reached.
         module: The innermost module running at the peak, by its name in the model
             (``'<model>'``: the model itself, outside its children; ``''``: outside the model).
-        phase_peaks: The peak of each phase: ``forward``, ``backward`` (forward included: the
-            largest total up to the end of backward) and ``optimizer`` (the step and
-            ``zero_grad``, with the gradients and optimizer state it starts from).
+        phase_peaks: The peak of each phase: ``forward``, ``backward`` (the largest total while
+            a module's backward ran: what is alive then, the forward's saved tensors included)
+            and ``optimizer`` (the step and ``zero_grad``, with the gradients and optimizer
+            state it starts from). Each is fitted on its own by ``BatchPlan``.
     """
 
     peak_bytes: int
@@ -165,7 +166,13 @@ def track_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer,
         after_forward = _tracked_peak(tracker)
         loss.backward()
         del loss
-    backward_peak = _tracked_peak(tracker)
+    overall = _tracked_peak(tracker)
+    # Backward on its own: the largest total any module saw during its backward (MemTracker's
+    # PEAK_BW snapshots; the model's own spans the whole backward). Up to the end of backward the
+    # forward's peak would hide it, though backward grows faster with the batch on some models.
+    backward_peak = max((snap[device]['Total'] for stats in tracker.memory_tracking.values()
+                         for state, snaps in stats.snapshots.items() if state.name == 'PEAK_BW'
+                         for snap in snaps for device in snap), default=overall)
     # The optimizer step in a tracker of its own, so that its peak is known on its own.
     step_tracker = MemTracker()
     step_tracker.track_external(model, optimizer, *external)
@@ -174,11 +181,11 @@ def track_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer,
         optimizer.zero_grad(set_to_none=True)
     optimizer_peak = _tracked_peak(step_tracker)
     phase_peaks = dict(forward=after_forward, backward=backward_peak, optimizer=optimizer_peak)
-    if optimizer_peak > backward_peak:
+    if optimizer_peak > overall:
         phase, peak, source = 'optimizer', optimizer_peak, step_tracker
     else:
-        phase = 'forward' if after_forward == backward_peak else 'backward'
-        peak, source = backward_peak, tracker
+        phase = 'forward' if after_forward == overall else 'backward'
+        peak, source = overall, tracker
     device = next(iter(source.get_tracker_snapshot('peak')))
     snapshot = source.get_tracker_snapshot('peak')[device]
     module, depth = '', -1
