@@ -11,6 +11,7 @@ from conftest import cosine
 from torch import nn
 
 from mmseg_mesa import MesaConfig
+from mmseg_mesa.layers import attention_core
 from mmseg_mesa.layers.attention_core import MesaAttentionFunction, pack_heads, unpack_heads
 from mmseg_mesa.layers.intercept import MesaFunctional
 from mmseg_mesa.layers.sdpa import MesaSDPAFunction, SDPACall, left_to_torch
@@ -45,6 +46,8 @@ def make_mask(kind, batch, heads, queries, keys):
         hidden = torch.rand(1, heads, 1, keys, generator=gen) < 0.3
         hidden[..., 0] = False
         return torch.zeros(hidden.shape).masked_fill(hidden, float('-inf'))
+    if kind == 'expanded':  # a bias per key, expanded (backward keeps one row of it)
+        return torch.randn(1, 1, 1, keys, generator=gen).expand(batch, heads, queries, keys)
     return None
 
 
@@ -64,7 +67,7 @@ def ours(q, k, v, quants=None, **kwargs):
                                   quants or quantizers())
 
 
-VARIANTS = ['none', 'bool', 'float', 'two-valued', 'causal', 'scale']
+VARIANTS = ['none', 'bool', 'float', 'two-valued', 'expanded', 'causal', 'scale']
 
 
 @pytest.mark.parametrize('autocast', [False, True])
@@ -88,11 +91,16 @@ def exact_at_decoded(q, k, v, grad, quants, **kwargs):
     return torch.autograd.grad(out, decoded, grad)
 
 
+@pytest.mark.parametrize('block_bytes', [None, 1000])
 @pytest.mark.parametrize('variant', [*VARIANTS, 'gqa', 'empty-rows'])
-def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant):
+def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, block_bytes,
+                                                                monkeypatch):
     """The recomputed maps make backward torch's gradient of SDPA at the 8-bit q, k and v: for
     every mask kind, causal attention, grouped keys and values (enable_gqa), and rows a mask
-    hides entirely (a zero map, zero gradients, as torch gives them)."""
+    hides entirely (a zero map, zero gradients, as torch gives them); whole maps, or blocks of
+    five rows (4 heads x 11 keys in fp32 are 176 bytes a row)."""
+    if block_bytes is not None:
+        monkeypatch.setattr(attention_core, 'MAP_BLOCK_BYTES', block_bytes)
     q, k, v = operands(heads=4, kv_heads=2 if variant == 'gqa' else None, keys=11)
     kwargs = {'enable_gqa': True} if variant == 'gqa' else call_kwargs(variant, q, k)
     if variant == 'empty-rows':
