@@ -210,103 +210,145 @@ class MesaAttentionFunction(torch.autograd.Function):
         (q_dtype, k_dtype, v_dtype, table_dtype, heads, score_scale, dropout_p, queries, keys,
          q_scale) = ctx.meta
         *packed, table, index, bits, low, high, full, keep = load(ctx)
-        mask = CompactMask(bits, low, high, full).restore()
-        keep = keep.unpack() if keep is not None else None
         if q_scale is None:
             q, k, v = (unpack_heads(p, heads) for p in packed)
         else:
             q, k, v = unpack_qkv(packed[0], heads, q_scale)
-        batch = q.shape[0]
-        need_q, need_k, need_v, need_table = ctx.needs_input_grad[:4]
-        blocks = _row_blocks(batch, heads, queries, keys)
-        # One block (small maps): its products are the gradients. Else every block writes its
-        # rows of grad_q once and adds to grad_k / grad_v, which need zeros only where an
-        # image's rows span several blocks.
-        whole = len(blocks) == 1
-        split_rows = any(rows != slice(None) for _, rows in blocks)
-
-        def buffer(like: torch.Tensor, needed: bool, accumulated: bool) -> torch.Tensor | None:
-            if not needed or whole:
-                return None
-            make = torch.zeros if accumulated else torch.empty
-            return make(like.shape, dtype=torch.float32, device=like.device)
-
-        grad_q = buffer(q, need_q, False)
-        grad_k = buffer(k, need_k, split_rows)
-        grad_v = buffer(v, need_v and grad_out is not None, split_rows)
-        grad_table = None
-        if table is not None:
-            index = index.view(queries, keys)
-            if need_table:
-                grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
-        if mask is not None:
-            mask = mask.float()
-        g = cast(grad_out, torch.float32) if grad_out is not None else None
-        if g is not None and whole:  # read by two matmuls, each of which would copy it
-            g = g.contiguous()
-
-        def put(total: torch.Tensor | None, part: torch.Tensor, images: slice,
-                rows: slice | None) -> torch.Tensor:
-            """``part`` as the block's share of a gradient: the gradient itself for one block,
-            else written (``rows``) or added (``rows`` None) into ``total``."""
-            if whole:
-                return part
-            if rows is not None:
-                total[images, :, rows] = part
-            elif split_rows:
-                total[images] += part
-            else:
-                total[images] = part
-            return total
-
-        for images, rows in blocks:
-            q_rows = q if whole else q[images, :, rows]
-            k_block = k if whole else k[images]
-            scores = torch.matmul(q_rows, k_block.transpose(-2, -1))
-            if score_scale is not None:
-                scores.mul_(score_scale)
-            if table is not None:
-                scores.add_(table[index[rows]].permute(2, 0, 1).float())
-            if mask is not None:
-                groups = mask.shape[0]
-                ids = torch.arange(images.start, images.stop, device=mask.device) % groups
-                part = mask[ids]
-                scores.add_(part if part.shape[2] == 1 else part[:, :, rows])
-            attn = torch.softmax(scores, dim=-1)
-            del scores
-            g_rows = None if g is None else (g if whole else g[images, :, rows])
-            if g_rows is not None:
-                grad_attn = torch.matmul(g_rows, (v if whole else v[images]).transpose(-2, -1))
-            else:
-                grad_attn = torch.zeros_like(attn)
-            if grad_map is not None:
-                grad_attn.add_(grad_map[images, :, rows].float())
-            dropped = attn
-            if keep is not None:
-                scale = keep[images, :, rows].float().div_(1.0 - dropout_p)
-                dropped = attn * scale
-                grad_attn.mul_(scale)
-                del scale
-            if need_v and g_rows is not None:
-                grad_v = put(grad_v, torch.matmul(dropped.transpose(-2, -1), g_rows), images,
-                             None)
-            del dropped
-            grad_scores = softmax_backward(grad_attn, attn, -1)
-            del attn, grad_attn
-            if grad_table is not None:
-                grad_table.index_add_(0, index[rows].reshape(-1),
-                                      grad_scores.sum(0).permute(1, 2, 0).reshape(-1, heads))
-            if score_scale is not None:
-                grad_scores.mul_(score_scale)
-            if need_q:
-                grad_q = put(grad_q, torch.matmul(grad_scores, k_block), images, rows)
-            if need_k:
-                grad_k = put(grad_k, torch.matmul(grad_scores.transpose(-2, -1), q_rows),
-                             images, None)
-            del grad_scores
-        if grad_table is not None:
-            grad_table = cast(grad_table, table_dtype)
+        grad_q, grad_k, grad_v, grad_table = recompute_gradients(
+            q, k, v, grad_out, ctx.needs_input_grad[:4], score_scale=score_scale, table=table,
+            index=index, mask=CompactMask(bits, low, high, full).restore(),
+            keep=keep.unpack() if keep is not None else None, dropout_p=dropout_p,
+            grad_map=grad_map)
         return (cast(grad_q, q_dtype) if grad_q is not None else None,
                 cast(grad_k, k_dtype) if grad_k is not None else None,
                 cast(grad_v, v_dtype) if grad_v is not None else None,
-                grad_table, None, None, None, None, None, None, None, None)
+                cast(grad_table, table_dtype) if grad_table is not None else None,
+                None, None, None, None, None, None, None, None)
+
+
+def recompute_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        grad_out: torch.Tensor | None, needs: tuple[bool, ...], *,
+                        score_scale: float | None = None, table: torch.Tensor | None = None,
+                        index: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                        causal: bool = False, empty_rows: bool = False,
+                        keep: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        grad_map: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor | None, ...]:
+    """The fp32 gradients of ``(softmax(q @ k^T [* score_scale] [+ bias] [+ mask] [causal])
+    [dropout]) @ v`` for q, k, v and the bias table, each map recomputed by blocks of rows
+    (``_row_blocks``) from the decoded operands and renormalized by a softmax.
+
+    Args:
+        q, k, v: fp32 ``(B, H, N, d)``, ``(B, H, M, d)``, ``(B, H, M, dv)``, contiguous.
+        grad_out: the output's gradient, or None (only the map's).
+        needs: whether q, k, v and the table need a gradient (``ctx.needs_input_grad``).
+        score_scale: a factor on ``q @ k^T``, or None.
+        table, index: the relative position bias table ``(T, H)`` and its ``N * M`` indices.
+        mask: an additive mask ``(Bb, Hb, Nb, Mb)``: ``Bb`` divides B (image ``b`` reads mask
+            ``b % Bb``), ``Hb``, ``Nb`` and ``Mb`` are the full size or 1.
+        causal: query ``i`` sees keys ``j <= i`` only (``is_causal`` of torch's SDPA).
+        empty_rows: rows the mask hides entirely get a zero map, as torch's SDPA gives them,
+            instead of the NaNs of a softmax of nothing.
+        keep, dropout_p: the dropout keep mask of the map and its rate.
+        grad_map: the map's gradient, where the map was returned.
+
+    Returns:
+        ``(grad_q, grad_k, grad_v, grad_table)``, None where not needed.
+    """
+    batch, heads, queries, _ = q.shape
+    keys = k.shape[-2]
+    need_q, need_k, need_v, need_table = needs
+    blocks = _row_blocks(batch, heads, queries, keys)
+    # One block (small maps): its products are the gradients. Else every block writes its
+    # rows of grad_q once and adds to grad_k / grad_v, which need zeros only where an
+    # image's rows span several blocks.
+    whole = len(blocks) == 1
+    split_rows = any(rows != slice(None) for _, rows in blocks)
+
+    def buffer(like: torch.Tensor, needed: bool, accumulated: bool) -> torch.Tensor | None:
+        if not needed or whole:
+            return None
+        make = torch.zeros if accumulated else torch.empty
+        return make(like.shape, dtype=torch.float32, device=like.device)
+
+    grad_q = buffer(q, need_q, False)
+    grad_k = buffer(k, need_k, split_rows)
+    grad_v = buffer(v, need_v and grad_out is not None, split_rows)
+    grad_table = None
+    if table is not None:
+        index = index.view(queries, keys)
+        if need_table:
+            grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+    if mask is not None:
+        mask = mask.float()
+    g = cast(grad_out, torch.float32) if grad_out is not None else None
+    if g is not None and whole:  # read by two matmuls, each of which would copy it
+        g = g.contiguous()
+    key_ids = torch.arange(keys, device=q.device) if causal else None
+
+    def put(total: torch.Tensor | None, part: torch.Tensor, images: slice,
+            rows: slice | None) -> torch.Tensor:
+        """``part`` as the block's share of a gradient: the gradient itself for one block,
+        else written (``rows``) or added (``rows`` None) into ``total``."""
+        if whole:
+            return part
+        if rows is not None:
+            total[images, :, rows] = part
+        elif split_rows:
+            total[images] += part
+        else:
+            total[images] = part
+        return total
+
+    for images, rows in blocks:
+        q_rows = q if whole else q[images, :, rows]
+        k_block = k if whole else k[images]
+        scores = torch.matmul(q_rows, k_block.transpose(-2, -1))
+        if score_scale is not None:
+            scores.mul_(score_scale)
+        if table is not None:
+            scores.add_(table[index[rows]].permute(2, 0, 1).float())
+        if mask is not None:
+            groups = mask.shape[0]
+            ids = torch.arange(images.start, images.stop, device=mask.device) % groups
+            part = mask[ids]
+            scores.add_(part if part.shape[2] == 1 else part[:, :, rows])
+        if key_ids is not None:
+            first, last = rows.indices(queries)[:2]
+            query_ids = torch.arange(first, last, device=q.device)
+            scores.masked_fill_(key_ids > query_ids[:, None], float('-inf'))
+        attn = torch.softmax(scores, dim=-1)
+        del scores
+        if empty_rows:
+            attn.nan_to_num_(0.0)
+        g_rows = None if g is None else (g if whole else g[images, :, rows])
+        if g_rows is not None:
+            grad_attn = torch.matmul(g_rows, (v if whole else v[images]).transpose(-2, -1))
+        else:
+            grad_attn = torch.zeros_like(attn)
+        if grad_map is not None:
+            grad_attn.add_(grad_map[images, :, rows].float())
+        dropped = attn
+        if keep is not None:
+            scale = keep[images, :, rows].float().div_(1.0 - dropout_p)
+            dropped = attn * scale
+            grad_attn.mul_(scale)
+            del scale
+        if need_v and g_rows is not None:
+            grad_v = put(grad_v, torch.matmul(dropped.transpose(-2, -1), g_rows), images,
+                         None)
+        del dropped
+        grad_scores = softmax_backward(grad_attn, attn, -1)
+        del attn, grad_attn
+        if grad_table is not None:
+            grad_table.index_add_(0, index[rows].reshape(-1),
+                                  grad_scores.sum(0).permute(1, 2, 0).reshape(-1, heads))
+        if score_scale is not None:
+            grad_scores.mul_(score_scale)
+        if need_q:
+            grad_q = put(grad_q, torch.matmul(grad_scores, k_block), images, rows)
+        if need_k:
+            grad_k = put(grad_k, torch.matmul(grad_scores.transpose(-2, -1), q_rows),
+                         images, None)
+        del grad_scores
+    return grad_q, grad_k, grad_v, grad_table

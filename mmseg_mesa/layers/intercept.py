@@ -3,11 +3,13 @@
 mmseg's BEiT / MAE / Twins attention, OCR's context blocks, SegNeXt's gated convolutions and
 K-Net's kernel update head call ``torch.matmul``, ``Tensor.softmax``, ``F.linear``, element-wise
 products, ``torch.einsum`` and ``F.conv2d`` with kernels of their own making in their forward
-instead of through modules, so no module handler sees them. Rather than rewriting each forward,
-``MesaFunctional`` runs the module's own forward under a ``TorchFunctionMode`` that routes those
-calls, and only those made by this module itself (not by its child modules, which have handlers
-of their own), through Mesa's autograd Functions. Each Function computes the op exactly as torch
-does, so the forward is bit-identical; what is saved for backward is packed by the one quantizer.
+instead of through modules, and timm's and mmpretrain's attention calls torch's fused
+``F.scaled_dot_product_attention`` (``layers.sdpa``), so no module handler sees them. Rather
+than rewriting each forward, ``MesaFunctional`` runs the module's own forward under a
+``TorchFunctionMode`` that routes those calls, and only those made by this module itself (not by
+its child modules, which have handlers of their own), through Mesa's autograd Functions. Each
+Function computes the op exactly as torch does, so the forward is bit-identical; what is saved
+for backward is packed by the one quantizer.
 
 Each intercepted call gets quantizers of its own, keyed by its position in the forward (the k-th
 intercepted call), so the running estimates follow one call site across steps.
@@ -15,6 +17,7 @@ intercepted call), so the running estimates follow one call site across steps.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ from .grid_sample import MesaGridSampleFunction
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
 from .pooling import MesaLinearPoolFunction
+from .sdpa import SDPA_FUNCTIONS, SDPA_ROLES, SDPACall, left_to_torch, mesa_sdpa, packs
 from .softmax import MesaSoftmaxFunction
 
 # Element-wise products a module's forward computes itself (layer scale, gated attention).
@@ -192,7 +196,28 @@ class _Capture(TorchFunctionMode):
             return self._adaptive_pool(*args, **kwargs)
         elif func in _SIGMOIDS and len(args) == 1 and not kwargs:
             return self._sigmoid(args[0])
+        elif func in SDPA_FUNCTIONS:
+            return self._sdpa(args, kwargs)
         return None
+
+    def _sdpa(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """Torch's fused attention (timm's and mmpretrain's attention): q, k and v packed per
+        head and channel, the maps recomputed in backward (``layers.sdpa``). A call it cannot
+        take is left to torch, its reason counted in the owner's ``mesa_left_to_torch``."""
+        call = SDPACall.bind(args, kwargs)
+        if call is None or not call.needs_grad() or \
+                'attention' not in self.owner.mesa_config.layers:
+            return None
+        reason = left_to_torch(call)
+        if reason is not None:
+            self.owner.mesa_left_to_torch[reason] += 1
+            return None
+        packed = [role for role, t in zip(SDPA_ROLES, call.operands()) if packs(t)]
+        if not packed:  # Parameters only: torch's node keeps nothing else
+            return None
+        site = self._site('attention', {role: SDPA_ROLES[role] for role in packed})
+        quantizers = dict(zip(packed, site))
+        return mesa_sdpa(call, tuple(quantizers.get(role) for role in SDPA_ROLES))
 
     def _einsum(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
         if kwargs or len(args) != 3 or not isinstance(args[0], str):
@@ -323,7 +348,8 @@ def _called_children(module: nn.Module) -> list[nn.Module]:
 
 
 class MesaFunctional(MesaModule, nn.Module):
-    """Any module, its own functional matmuls / softmaxes / products / linears compressed.
+    """Any module, its own functional matmuls / softmaxes / products / linears / fused
+    attention compressed.
 
     The conversion wraps, not replaces, the module's forward (so a subclass's forward is kept
     as it is). Calls made while one of its child modules runs are left to that child.
@@ -331,11 +357,15 @@ class MesaFunctional(MesaModule, nn.Module):
 
     mesa_sites: nn.ModuleDict
     mesa_child_depth: int
+    # Calls of the module's own left to torch's autograd, by reason (a fused attention with
+    # dropout, ``layers.sdpa.left_to_torch``), counted over its training steps.
+    mesa_left_to_torch: Counter
 
     def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
         self.mesa_sites = nn.ModuleDict()
         self.mesa_child_depth = 0
+        self.mesa_left_to_torch = Counter()
         for child in _called_children(self):
             if child is not self.mesa_sites:
                 child.register_forward_pre_hook(_ChildDepth(self, 1))
