@@ -284,3 +284,27 @@ def test_a_parameter_operand_is_kept_as_it_is():
     expected = torch.autograd.grad(F.scaled_dot_product_attention(*decoded), decoded, grad)
     for mine_grad, theirs in zip(grads, expected):
         assert torch.allclose(mine_grad, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_mmpretrain_attention_routes_its_sdpa():
+    """mmpretrain's ``MultiheadAttention`` (its ViTs) converts with its own forward: the output
+    is torch's bit for bit and its SDPA keeps 8-bit q, k and v."""
+    pytest.importorskip('mmpretrain')
+    from mmpretrain.models.utils.attention import MultiheadAttention
+
+    from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa.memory import count_saved_tensors
+    torch.manual_seed(0)
+    reference = MultiheadAttention(embed_dims=64, num_heads=4).train()
+    attention = copy.deepcopy(reference)
+    report = convert_to_mesa(nn.ModuleList([attention]), config=MesaConfig())
+    assert report.converted['0'][0] == 'MultiheadAttention'
+    x = torch.randn(2, 49, 64, requires_grad=True)
+    saved = []
+    for module in (attention, reference):
+        with count_saved_tensors(module) as counted:
+            out = module(x)
+        saved.append((out, counted.by_type.get('MultiheadAttention', 0)))
+    (got, mesa_bytes), (want, torch_bytes) = saved
+    assert torch.equal(got, want)
+    assert 0 < mesa_bytes <= 0.3 * torch_bytes, (mesa_bytes, torch_bytes)

@@ -1,4 +1,4 @@
-"""mmpretrain's modules in mmseg's ConvNeXt and PoolFormer configs.
+"""mmpretrain's modules: those in mmseg's ConvNeXt and PoolFormer configs, and its attention.
 
 ``LayerNorm2d`` subclasses ``nn.LayerNorm`` but has a forward of its own (channels first, or
 last when the caller says so), so the LayerNorm handler leaves it; ``MesaLayerNorm2d`` runs the
@@ -48,3 +48,13 @@ def layer_scale_block_types() -> tuple[type, ...]:
     except ImportError:
         return ()
     return (ConvNeXtBlock, PoolFormerBlock)
+
+
+def attention_types() -> tuple[type, ...]:
+    """mmpretrain's ``MultiheadAttention`` (its ViTs, DeiT, ...), where installed: its forward
+    calls ``F.scaled_dot_product_attention``, which ``MesaFunctional`` routes (``layers.sdpa``)."""
+    try:
+        from mmpretrain.models.utils.attention import MultiheadAttention
+    except ImportError:
+        return ()
+    return (MultiheadAttention,)

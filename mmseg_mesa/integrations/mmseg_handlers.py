@@ -128,15 +128,16 @@ def functional_types() -> dict[type, str]:
     from mmseg.models.utils.se_layer import SELayer
     from mmseg.models.utils.self_attention_block import SelfAttentionBlock
 
-    from .mmpretrain_modules import layer_scale_block_types
+    from .mmpretrain_modules import attention_types, layer_scale_block_types
 
     # KernelUpdateHead: the mask softmax, the mask-weighted sum (einsum) and the convolution
     # with its dynamic kernels. Deformable attention (Mask2Former's pixel decoder): its weights'
     # softmax, the sampled feature maps (grid_sample) and their weighted sum, on the pure-PyTorch
     # path mmcv takes off CUDA.
     # DMNet's DCM: convolutions with the filters it generates per image.
+    # mmpretrain's MultiheadAttention: F.scaled_dot_product_attention (layers.sdpa).
     attention = (SelfAttentionBlock, SpatialGatherModule, CAM, ACM, NonLocal2d, ContextBlock,
-                 KernelUpdateHead, DCM, *mmcv_ops_attention_types())
+                 KernelUpdateHead, DCM, *mmcv_ops_attention_types(), *attention_types())
     # layer scale (x * gamma; mmcv's Scale: DANet's and CCNet's learned residual weights),
     # gated convolutions (attn * u), channel gates (x * se(x): MobileNetV3's SE blocks, CGNet's
     # context extractor, BiSeNet's and STDC's attention and fusion modules, ResNeSt's split
