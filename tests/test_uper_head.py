@@ -1,5 +1,6 @@
 """UPerHead's lean FPN fusion (``MesaUPerHead``): same forward and gradients, a lower peak."""
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -284,6 +285,19 @@ def test_level_fusion_gradients_are_the_convs(sample_blocks):
     weight_grad = torch.nn.grad.conv2d_weight(codes[0].restore(torch.float32), weight.shape,
                                               grad, *args)
     torch.testing.assert_close(actual[-1], weight_grad, rtol=1e-5, atol=1e-4)
+    # Owning the output's gradient (as many channels as level 0), level 0's gradient is written
+    # into it: the same values, no new tensor
+    square = torch.randn(16, 32, 3, 3)
+    owning = dataclasses.replace(spec, owns_output_grad=True)
+    runs = []
+    for run_spec in (spec, owning):
+        out = level_fusion.LevelFusionConvFunction.apply(run_spec, square, None, *levels)
+        given = torch.ones_like(out)
+        runs.append((given, torch.autograd.grad(out, levels, given)))
+    (_, plain), (given, owned) = runs
+    assert owned[0].data_ptr() == given.data_ptr() != plain[0].data_ptr()
+    for a, b in zip(owned, plain):
+        assert torch.equal(a, b)
 
 
 def test_level_fusion_keeps_the_batch_whole_where_torch_would_convolve_a_sample_otherwise(

@@ -13,7 +13,7 @@ from mmcv.cnn import ConvModule
 from torch import nn
 
 from ..config import MesaConfig
-from ..layers.base import make_quantizer
+from ..layers.base import MesaModule, make_quantizer
 from ..layers.conv import MesaConv2d
 from ..layers.level_fusion import FusionSpec, LevelFusionConvFunction, Upsample
 from ..quantizer import ActivationQuantizer
@@ -107,8 +107,12 @@ def fused_conv_module(module: ConvModule, quantizers: list[ActivationQuantizer],
     concatenation built a block of samples at a time (``LevelFusionConvFunction``); ``levels``
     is emptied (the caller's references would keep every level to the end)."""
     conv = module.conv
+    # the conv's output goes straight into a Mesa norm (``after_conv``), whose backward returns
+    # a gradient of its own making: backward may reuse that gradient's storage
+    owns_grad = (len(module.order) > 1 and module.order[1] == 'norm' and module.with_norm
+                 and isinstance(module.norm, MesaModule))
     spec = FusionSpec(upsample, (conv.stride, conv.padding, conv.dilation, conv.groups),
-                      quantizers)
+                      quantizers, owns_grad)
     pieces = list(levels)
     levels.clear()
     x = LevelFusionConvFunction.apply(spec, conv.weight, conv.bias, *pieces)

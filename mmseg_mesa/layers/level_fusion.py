@@ -132,12 +132,16 @@ def upsample_backward(upsample: Upsample, grad: torch.Tensor, shape: torch.Size,
 @dataclass(frozen=True)
 class FusionSpec:
     """What ``LevelFusionConvFunction`` needs besides tensors: the upsampling of levels 1.. to
-    level 0's size, the conv's (stride, padding, dilation, groups) and one quantizer per level
-    (None: save no codes, as when no weight gradient is wanted)."""
+    level 0's size, the conv's (stride, padding, dilation, groups) and one quantizer per level.
+    ``owns_output_grad``: the caller vouches that the output's gradient reaches backward as a
+    tensor nothing else reads (the output's one reader is a norm whose backward returns a fresh
+    gradient); backward then writes level 0's gradient into it when their shapes agree, and the
+    two never exist at once."""
 
     upsample: Upsample
     conv_args: tuple
     quantizers: Sequence[ActivationQuantizer]
+    owns_output_grad: bool = False
 
 
 def fusion_blocks(levels: Sequence[torch.Tensor], weight: torch.Tensor, conv_args: tuple
@@ -235,6 +239,7 @@ class LevelFusionConvFunction(torch.autograd.Function):
                                dtype, spec.upsample)
         save(ctx, codes, weight)
         ctx.upsample = spec.upsample
+        ctx.owns_output_grad = spec.owns_output_grad
         return out
 
     @staticmethod
@@ -254,19 +259,29 @@ class LevelFusionConvFunction(torch.autograd.Function):
                 for part, a, b in zip(codes.parts, starts, starts[1:])], dim=1), weight.dtype)
         if needs[2]:
             grad_b = cast(grad.sum((0, 2, 3)), weight.dtype)
-        level_grads = [
-            level_input_grad(ctx, grad, w[:, a:b], meta, upsampled=i > 0) if need else None
-            for i, (need, meta, a, b) in enumerate(zip(needs[3:], ctx.level_meta, starts,
-                                                       starts[1:]))]
+        needs_levels = needs[3:]
+        in_place = (ctx.owns_output_grad and needs_levels[0] and grad.is_contiguous()
+                    and (grad.dtype, grad.shape) == (ctx.level_meta[0][1], ctx.level_meta[0][0]))
+        level_grads: list[torch.Tensor | None] = [None] * len(needs_levels)
+        # level 0 last: where it may overwrite the output's gradient, every other use of it is
+        # done by then
+        for i in [*range(1, len(needs_levels)), 0]:
+            if needs_levels[i]:
+                a, b = starts[i], starts[i + 1]
+                level_grads[i] = level_input_grad(ctx, grad, w[:, a:b], ctx.level_meta[i],
+                                                  upsampled=i > 0,
+                                                  into=grad if i == 0 and in_place else None)
         return (None, grad_w, grad_b, *level_grads)
 
 
 def level_input_grad(ctx: Any, grad: torch.Tensor, weight: torch.Tensor,
-                     meta: tuple[torch.Size, torch.dtype], upsampled: bool) -> torch.Tensor:
+                     meta: tuple[torch.Size, torch.dtype], upsampled: bool,
+                     into: torch.Tensor | None = None) -> torch.Tensor:
     """One level's gradient: the conv's input gradient through the level's slice of the weight,
-    then back through its upsampling, a block of samples at a time."""
+    then back through its upsampling, a block of samples at a time; written into ``into`` (the
+    output's gradient itself, each block after it is read) where given."""
     shape, dtype = meta
-    out = None
+    out = into
     for rows in ctx.blocks:
         g = rows_of(grad, rows)
         piece = torch.nn.grad.conv2d_input((g.shape[0], weight.shape[1], *ctx.level_meta[0][0][2:]),
@@ -274,11 +289,10 @@ def level_input_grad(ctx: Any, grad: torch.Tensor, weight: torch.Tensor,
         if upsampled:
             piece = upsample_backward(ctx.upsample, piece, (g.shape[0], *shape[1:]), dtype)
         piece = cast(piece, dtype)
-        if len(ctx.blocks) == 1:
+        if out is None and len(ctx.blocks) == 1:
             return piece
         if out is None:
             out = piece.new_empty(shape)
         out[rows] = piece
         del piece
     return out
-
