@@ -334,3 +334,22 @@ def test_fused_bottleneck_holds_one_sample_of_the_concatenation():
     assert plain - fused >= 1.5 * concat, (plain - fused) / concat
 
 
+
+
+@pytest.mark.slow
+def test_level_fusion_at_swin_t_uperhead_widths_is_bit_identical(sample_blocks):
+    """Swin-T UPerNet's bottleneck (four 512-channel levels into a 3x3 conv to 512) one sample
+    at a time gives the batched conv's bits (at 32x32 instead of 128x128: the same kernels)."""
+    from mmseg_mesa.layers.base import make_quantizer
+    torch.manual_seed(0)
+    levels = [torch.randn(2, 512, 32 >> i, 32 >> i) for i in range(4)]
+    weight = torch.randn(512, 2048, 3, 3) * 0.01
+    upsample = functools.partial(torch.nn.functional.interpolate, size=(32, 32),
+                                 mode='bilinear', align_corners=False)
+    args = ((1, 1), (1, 1), (1, 1), 1)
+    spec = level_fusion.FusionSpec(upsample, args, [make_quantizer(MesaConfig(), 1)] * 4)
+    assert len(level_fusion.fusion_blocks(levels, weight, args)[2]) == 2
+    want = torch.nn.functional.conv2d(
+        torch.cat([levels[0], *(upsample(t) for t in levels[1:])], dim=1), weight, None, *args)
+    assert torch.equal(level_fusion.LevelFusionConvFunction.apply(spec, weight, None, *levels),
+                       want)
