@@ -399,7 +399,7 @@ def plot_fits(runs: list[tuple[str, dict]], path: str) -> None:
         top = max(budgets) * 1.05
         for i, (mode, p) in enumerate(plans.items()):
             colour = plt.cm.tab10.colors[i % 10]
-            batches = range(0, largest + 2)
+            batches = [0, largest + 1]
             ax.plot(batches, [(p['fixed_bytes'] + p['per_image_bytes'] * b) / gib
                               for b in batches],
                     color=colour, label=f"{mode}: {p['per_image_bytes'] / 2 ** 20:.0f} MiB/image")
@@ -412,7 +412,7 @@ def plot_fits(runs: list[tuple[str, dict]], path: str) -> None:
         for budget in budgets:
             ax.axhline(budget / gib, color='#bbb', linewidth=0.8, linestyle='--')
         ax.set_ylim(0, top / gib)
-        ax.set_xscale('symlog', linthresh=8)
+        ax.set_xlim(0, largest + 1)
         ax.set_xlabel('batch (images)')
         ax.set_ylabel('step peak (GiB)')
         ax.set_title(title, fontsize=9)
