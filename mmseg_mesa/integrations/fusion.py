@@ -37,11 +37,15 @@ def plain_conv_module(module: nn.Module) -> bool:
                      or module._backward_pre_hooks or module._backward_hooks))
 
 
-def after_conv(module: ConvModule, x: torch.Tensor) -> torch.Tensor:
-    """The steps of a plain ``ConvModule.forward`` after its conv (``x`` is the conv's output;
-    ``module.order`` starts with it)."""
-    for layer in module.order[1:]:
-        if layer == 'norm' and module.with_norm:
+def conv_module_steps(module: ConvModule, holder: list[torch.Tensor], steps: tuple[str, ...]
+                      ) -> torch.Tensor:
+    """``steps`` of a plain ``ConvModule.forward`` (``module.order`` or a tail of it) on
+    ``holder.pop()``, each step's input dropped once it has run (the caller keeps no reference)."""
+    x = holder.pop()
+    for layer in steps:
+        if layer == 'conv':
+            x = module.conv(x)
+        elif layer == 'norm' and module.with_norm:
             x = module.norm(x)
         elif layer == 'act' and module.with_activation:
             x = module.activate(x)
@@ -68,20 +72,9 @@ def releasing_input(module: nn.Module, holder: list[torch.Tensor]) -> torch.Tens
     on. Anything else (a subclass, hooks on the module, explicit padding or the fused eval-mode
     conv-bn) is called as it is.
     """
-    x = holder.pop()
     if not plain_conv_module(module):
-        return module(x)
-    if module.order[0] != 'conv':
-        for layer in module.order:
-            if layer == 'conv':
-                x = module.conv(x)
-            elif layer == 'norm' and module.with_norm:
-                x = module.norm(x)
-            elif layer == 'act' and module.with_activation:
-                x = module.activate(x)
-        return x
-    x = module.conv(x)
-    return after_conv(module, x)
+        return module(holder.pop())
+    return conv_module_steps(module, holder, module.order)
 
 
 def fusion_quantizers(module: nn.Module, quantizers: nn.ModuleList | None,
@@ -107,7 +100,7 @@ def fused_conv_module(module: ConvModule, quantizers: list[ActivationQuantizer],
     concatenation built a block of samples at a time (``LevelFusionConvFunction``); ``levels``
     is emptied (the caller's references would keep every level to the end)."""
     conv = module.conv
-    # the conv's output goes straight into a Mesa norm (``after_conv``), whose backward returns
+    # the conv's output goes straight into a Mesa norm (its next step), whose backward returns
     # a gradient of its own making: backward may reuse that gradient's storage
     owns_grad = (len(module.order) > 1 and module.order[1] == 'norm' and module.with_norm
                  and isinstance(module.norm, MesaModule))
@@ -115,8 +108,8 @@ def fused_conv_module(module: ConvModule, quantizers: list[ActivationQuantizer],
                       quantizers, owns_grad)
     pieces = list(levels)
     levels.clear()
-    x = LevelFusionConvFunction.apply(spec, conv.weight, conv.bias, *pieces)
+    out = [LevelFusionConvFunction.apply(spec, conv.weight, conv.bias, *pieces)]
     del pieces  # not alive through the norm
-    return after_conv(module, x)
+    return conv_module_steps(module, out, module.order[1:])
 
 

@@ -23,6 +23,7 @@ from mmseg.models.utils import resize
 
 from ..config import MesaConfig
 from ..layers.autocast import returns_owned
+from ..layers.level_fusion import channels_last
 from .fusion import (
     classified,
     fused_conv_module,
@@ -60,9 +61,6 @@ class WriteChannels(torch.autograd.Function):
 
 def cat_memory_format(pieces: list[torch.Tensor]) -> torch.memory_format:
     """The layout ``torch.cat`` gives 4-d inputs: channels-last only if all of them are."""
-    def channels_last(t: torch.Tensor) -> bool:
-        return (t.dim() == 4 and not t.is_contiguous()
-                and t.is_contiguous(memory_format=torch.channels_last))
     if all(channels_last(p) for p in pieces):
         return torch.channels_last
     return torch.contiguous_format

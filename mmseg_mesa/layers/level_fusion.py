@@ -183,6 +183,13 @@ def same_conv_backend(shape: torch.Size, blocks: list[slice], weight: torch.Tens
     return all(backend(n) == whole for n in sizes)
 
 
+def channels_last(t: torch.Tensor) -> bool:
+    """A 4-d tensor laid out channels-last only: ``torch.cat`` keeps that layout when every
+    piece has it."""
+    return (t.dim() == 4 and not t.is_contiguous()
+            and t.is_contiguous(memory_format=torch.channels_last))
+
+
 def concatenated(levels: Sequence[torch.Tensor], upsample: Upsample, rows: slice,
                  shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """``torch.cat([levels[0], *map(upsample, levels[1:])], dim=1)`` of samples ``rows``, each
@@ -191,15 +198,14 @@ def concatenated(levels: Sequence[torch.Tensor], upsample: Upsample, rows: slice
     first = rows_of(levels[0], rows)
     out = torch.empty((first.shape[0], *shape[1:]), dtype=dtype, device=first.device,
                       memory_format=torch.contiguous_format)
-    start, channels_last = 0, True
+    start, all_channels_last = 0, True
     for i, level in enumerate(levels):
         piece = first if i == 0 else upsample(rows_of(level, rows))
-        channels_last &= piece.dim() == 4 and not piece.is_contiguous() and \
-            piece.is_contiguous(memory_format=torch.channels_last)
+        all_channels_last &= channels_last(piece)
         out[:, start:start + piece.shape[1]] = piece
         start += piece.shape[1]
         del piece
-    return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+    return out.contiguous(memory_format=torch.channels_last) if all_channels_last else out
 
 
 class LevelFusionConvFunction(torch.autograd.Function):
@@ -214,10 +220,13 @@ class LevelFusionConvFunction(torch.autograd.Function):
         ctx.conv_args = spec.conv_args
         ctx.level_meta = [(t.shape, t.dtype) for t in levels]
         ctx.blocks = blocks
-        out = None
+        out = wc = bc = None
         for rows in blocks:
             x = concatenated(levels, spec.upsample, rows, shape, dtype)
-            xc, wc, bc = autocast_inputs(ctx, x, weight, bias)
+            if wc is None:  # the weight cast once, for every block
+                xc, wc, bc = autocast_inputs(ctx, x, weight, bias)
+            else:
+                (xc,) = autocast_cast(x)
             del x
             with autocast_off(ctx.device_type):
                 y = F.conv2d(xc, wc, bc, *spec.conv_args)
@@ -226,8 +235,7 @@ class LevelFusionConvFunction(torch.autograd.Function):
                 out = y
                 break
             if out is None:
-                fmt = torch.channels_last if (not y.is_contiguous() and y.is_contiguous(
-                    memory_format=torch.channels_last)) else torch.contiguous_format
+                fmt = torch.channels_last if channels_last(y) else torch.contiguous_format
                 out = torch.empty((shape[0], *y.shape[1:]), dtype=y.dtype, device=y.device,
                                   memory_format=fmt)
             out[rows] = y
