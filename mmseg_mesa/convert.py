@@ -12,12 +12,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from .config import MesaConfig
 from .layer_types import opt_in_layer_types
 from .layers.base import MesaModule
+from .layers.intercept import convert_generic
 from .quantizer import ActivationQuantizer
 from .registry import Handler, find_handler, register_alias, register_handler, supported_types
 
@@ -25,6 +27,9 @@ __all__ = ['ConversionReport', 'ModuleFilter', 'convert_to_mesa', 'register_alia
            'register_handler', 'supported_types']
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+# Modules whose forward only calls their children: the generic path has nothing of theirs to route.
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 @dataclass
@@ -34,6 +39,9 @@ class ConversionReport:
     converted: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (from, to)
     left: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (type, reason)
     covered: dict[str, str] = field(default_factory=dict)  # name -> parent that handles it
+    # name -> module converted by the generic path (``generic_reason``): its own forward's
+    # functional calls routed through Mesa's Functions, the rest counted by op name
+    generic: dict[str, nn.Module] = field(default_factory=dict)
     # name -> how a converted module keeps less than it could (``MesaModule.mesa_note``)
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -43,10 +51,32 @@ class ConversionReport:
     def left_by_reason(self) -> Counter:
         return Counter((typ, reason) for typ, reason in self.left.values())
 
+    def left_to_torch(self) -> Counter:
+        """``(type, reason)`` -> calls of the generic path's modules (and functional types') own
+        forwards left to torch, counted in the training steps they ran so far."""
+        counts: Counter = Counter()
+        for module in self.generic.values():
+            typ = getattr(module, 'mesa_original_type', type(module).__name__)
+            for reason, n in getattr(module, 'mesa_left_to_torch', {}).items():
+                counts[(typ, reason)] += n
+        return counts
+
     def format(self) -> str:
         lines = [f'Mesa converted {len(self.converted)} module(s):']
         for typ, n in sorted(self.converted_by_type().items()):
             lines.append(f'  {n:5d} x {typ}')
+        if self.generic:
+            routing = sum(isinstance(m, MesaModule) and not m.mesa_probe_pending
+                          for m in self.generic.values())
+            lines.append(f'Generic path: {len(self.generic)} module(s) without a handler, their '
+                         f'own functional calls routed through Mesa ({routing} routing after a '
+                         'training step; one whose first training step routes nothing goes back '
+                         'to its own class)')
+        left = self.left_to_torch()
+        if left:
+            lines.append('Left to torch in those forwards (calls per training step so far):')
+            for (typ, reason), n in sorted(left.items()):
+                lines.append(f'  {n:5d} x {typ}: {reason}')
         if self.left:
             lines.append(f'Left unconverted: {len(self.left)} leaf module(s):')
             for (typ, reason), n in sorted(self.left_by_reason().items()):
@@ -75,6 +105,26 @@ def _skip_reason(module: nn.Module, name: str, handler: Handler, config: MesaCon
     if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
         return 'lazy module with uninitialized parameters (run one forward first)'
     return handler.check(module) if handler.check is not None else None
+
+
+def generic_reason(module: nn.Module, name: str, config: MesaConfig,
+                   module_filter_fn: ModuleFilter | None) -> str | None:
+    """Why the generic path (``layers.intercept.convert_generic``) does not take a module that
+    no handler converts, or None when it does."""
+    if 'generic' not in config.layers:
+        return "layer type 'generic' not in config.layers"
+    for pattern in config.skip:
+        if fnmatch.fnmatchcase(name, pattern):
+            return f'skipped by pattern {pattern!r}'
+    if module_filter_fn is not None and not module_filter_fn(module, name):
+        return 'excluded by module_filter_fn'
+    if isinstance(module, CONTAINERS) or type(module).forward is nn.Module.forward:
+        return 'a container: its forward only calls its children'
+    if 'forward' in vars(module):
+        return 'instance attribute forward replaces the method'
+    if isinstance(module, torch.jit.ScriptModule):
+        return 'a TorchScript module'
+    return None
 
 
 def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
@@ -106,9 +156,14 @@ def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
         if name in report.covered:
             continue
         handler, reason = find_handler(module)
-        if handler is None:
-            if not any(True for _ in module.children()):
-                report.left[name] = (type(module).__name__,
+        if handler is None or (reason is not None and 'forward' in handler.replaces):
+            # no handler, or one the module's own forward rules out: the generic path
+            generic = generic_reason(module, name, config, module_filter_fn)
+            if generic is None:
+                convert_generic(module, config.for_layer('generic', name))
+                report.generic[name] = module
+            elif not any(True for _ in module.children()):
+                report.left[name] = (type(module).__name__, reason or generic if handler else
                                      f'no Mesa handler for {type(module).__name__}')
             continue
         reason = reason or _skip_reason(module, name, handler, config, module_filter_fn)
@@ -125,7 +180,7 @@ def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
             full = f'{name}.{child}' if name else child
             report.covered[full] = name
             report.left.pop(full, None)
-    if not report.converted and not already:
+    if not report.converted and not report.generic and not already:
         raise ValueError(
             f'convert_to_mesa: nothing to convert in {type(model).__name__}: no module is of a '
             f'supported type (or all were excluded). Supported types: {supported_types()}. '

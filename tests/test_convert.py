@@ -60,8 +60,9 @@ def test_conversion_keeps_identity_names_and_parameters():
     assert isinstance(model.qkv, MesaLinear) and isinstance(model.qkv, nn.Linear)
     assert set(report.converted) == {'norm1', 'qkv', 'qk', 'softmax', 'av', 'proj', 'norm2',
                                      'fc1', 'act', 'drop', 'fc2', 'head.0', 'head.1', 'head.2'}
-    assert report.left['pool'] == ('AdaptiveMaxPool2d', 'no Mesa handler for AdaptiveMaxPool2d')
-    assert 'Linear' in report.format() and 'AdaptiveMaxPool2d' in report.format()
+    # no handler: its own forward goes through the generic path
+    assert 'pool' in report.generic and 'pool' not in report.left
+    assert 'Linear' in report.format() and 'Generic path' in report.format()
     # loading the original state dict needs no key mapping.
     model.load_state_dict(reference.state_dict(), strict=True)
 
@@ -129,9 +130,17 @@ def test_filter_skip_and_layer_switches():
     assert not isinstance(model.act, MesaModule)
 
 
+def without_generic() -> MesaConfig:
+    return MesaConfig(layers=MesaConfig().layers - {'generic'})
+
+
 def test_nothing_to_convert_is_an_error():
     with pytest.raises(ValueError, match='nothing to convert in Sequential'):
-        convert_to_mesa(nn.Sequential(nn.Identity(), nn.AdaptiveMaxPool2d(1)))
+        convert_to_mesa(nn.Sequential(nn.Identity(), nn.AdaptiveMaxPool2d(1)),
+                        config=without_generic())
+    # the generic path takes modules without a handler
+    report = convert_to_mesa(nn.Sequential(nn.Identity(), nn.AdaptiveMaxPool2d(1)))
+    assert set(report.generic) == {'0', '1'}
 
 
 def test_converting_twice_is_harmless():
@@ -152,9 +161,11 @@ def test_subclass_keeps_its_type():
 
 
 def test_report_lists_leaves_without_handler_once():
-    model = Block()
-    report = convert_to_mesa(model)
-    assert list(report.left) == ['pool']
+    report = convert_to_mesa(Block(), config=without_generic())
+    assert report.left == {'pool': ('AdaptiveMaxPool2d', 'no Mesa handler for AdaptiveMaxPool2d')}
+    assert 'AdaptiveMaxPool2d' in report.format()
+    report = convert_to_mesa(Block())
+    assert report.left == {} and 'pool' in report.generic
 
 
 @pytest.fixture

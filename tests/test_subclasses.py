@@ -355,14 +355,22 @@ class ChannelsFirstLayerNorm(nn.LayerNorm):
         return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
-def test_a_subclass_overriding_forward_is_left_and_keeps_its_forward():
+def test_a_subclass_overriding_forward_is_not_swapped_and_keeps_its_forward():
+    """The handler would drop its forward: without the generic path it is left with the
+    reason; with it, its own forward runs with its ``F.layer_norm`` through Mesa."""
     model = nn.Sequential(ChannelsFirstLayerNorm(4), nn.Conv2d(4, 4, 1))
     reference = copy.deepcopy(model)
-    report = convert_to_mesa(model)
+    report = convert_to_mesa(model, config=MesaConfig(layers=MesaConfig().layers - {'generic'}))
     assert report.left['0'] == ('ChannelsFirstLayerNorm', 'ChannelsFirstLayerNorm overrides '
                                 'forward of LayerNorm: its own forward would be lost')
     x = torch.randn(2, 4, 3, 5)
     assert torch.equal(model(x), reference(x))
+    model = copy.deepcopy(reference)
+    report = convert_to_mesa(model)
+    assert '0' in report.generic and '0' not in report.left
+    x = torch.randn(2, 4, 3, 5, requires_grad=True)
+    assert torch.equal(model(x), reference(x))
+    assert [key.split('_', 1)[1] for key in model[0].mesa_sites] == ['layernorm_input']
 
 
 def test_mmcv_convs_with_their_own_forward_are_handled_exactly():

@@ -15,6 +15,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..layers.base import MesaModule, make_quantizer
 from ..layers.conv import MesaConv2d
+from ..layers.intercept import has_hooks, own_type
 from ..layers.level_fusion import FusionSpec, LevelFusionConvFunction, Upsample
 from ..quantizer import ActivationQuantizer
 
@@ -31,10 +32,9 @@ def level_quantizers(config: MesaConfig, levels: int) -> nn.ModuleList | None:
 def plain_conv_module(module: nn.Module) -> bool:
     """An mmcv ``ConvModule`` whose forward is the conv, norm, act steps and nothing else: no
     subclass, hooks, explicit padding or fused eval-mode conv-bn."""
-    return (type(module) is ConvModule and not module.with_explicit_padding
+    return (own_type(module) is ConvModule and not module.with_explicit_padding
             and module.efficient_conv_bn_eval_forward is None
-            and not (module._forward_pre_hooks or module._forward_hooks
-                     or module._backward_pre_hooks or module._backward_hooks))
+            and not has_hooks(module))
 
 
 def conv_module_steps(module: ConvModule, holder: list[torch.Tensor], steps: tuple[str, ...]
@@ -85,7 +85,7 @@ def fusion_quantizers(module: nn.Module, quantizers: nn.ModuleList | None,
     conv = getattr(module, 'conv', None)
     if (quantizers is None or not plain_conv_module(module) or module.order[0] != 'conv'
             or not isinstance(conv, MesaConv2d) or conv.padding_mode != 'zeros'
-            or conv.groups != 1 or conv._forward_pre_hooks or conv._forward_hooks
+            or conv.groups != 1 or has_hooks(conv)
             or not conv.mesa_active(levels[0], conv.weight)
             or not isinstance(conv.quant_input, ActivationQuantizer)
             or conv.quant_input.spec != quantizers[0].spec

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..layers.chunking import sample_slices
+from ..layers.intercept import own_type
 
 LOSS_NAMES = ('loss_cls', 'loss_mask', 'loss_dice')
 
@@ -30,7 +31,7 @@ LOSS_NAMES = ('loss_cls', 'loss_mask', 'loss_dice')
 def supports_point_losses(head: Any) -> str | None:
     """Why ``point_losses`` cannot stand in for ``head``'s own per-layer loss, or None."""
     from mmdet.models.task_modules.samplers import MaskPseudoSampler
-    if type(head.sampler) is not MaskPseudoSampler:
+    if own_type(head.sampler) is not MaskPseudoSampler:
         return f'its sampler {type(head.sampler).__name__} may read the full ground-truth masks'
     return None
 

@@ -30,6 +30,7 @@ from ..config import MesaConfig
 from ..layers.banded_loss import BandedLossSpec, PixelCrossEntropy, banded_cross_entropy
 from ..layers.base import MesaModule
 from ..layers.dropout import MesaDropPathFunction
+from ..layers.intercept import own_type
 from ..layers.recompute import recomputed_losses
 
 
@@ -52,7 +53,7 @@ def banded_loss_blocker(head: BaseDecodeHead) -> str | None:
     if head.sampler is not None:
         return f'{type(head.sampler).__name__} weighs pixels by the whole batch\'s logits'
     for loss in head_losses(head):
-        if type(loss) is not CrossEntropyLoss:
+        if own_type(loss) is not CrossEntropyLoss:
             return f'{type(loss).__name__} is not a per-pixel cross-entropy'
         if loss.use_sigmoid or loss.use_mask or loss.cls_criterion is not cross_entropy:
             return 'CrossEntropyLoss with use_sigmoid/use_mask is not banded'

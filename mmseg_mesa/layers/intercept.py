@@ -36,6 +36,7 @@ from .base import MesaModule, make_quantizer, row_group_config
 from .conv import MesaConv2dFunction
 from .einsum import MesaEinsumFunction, gradient_equations
 from .formulas import operand_gradients, sum_to
+from .functional_routes import ROUTES
 from .grid_sample import MesaGridSampleFunction
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
@@ -45,10 +46,16 @@ from .softmax import MesaSoftmaxFunction
 
 # Element-wise products a module's forward computes itself (layer scale, gated attention).
 declare_layer_type('product')
+# Modules no handler converts, their own forward's functional calls routed (``convert_generic``).
+declare_layer_type('generic')
 
 # An operand of an element-wise product this much smaller than the product (a layer-scale
 # vector, per-channel gates) is kept as it is: packing it would save nothing worth its cost.
 SMALL_OPERAND_FRACTION = 1 / 16
+
+# A call left to torch is noted when its node keeps at least this much (a per-head scale or a
+# gate of a few values is not worth a line in the report).
+NOTED_LEFT_BYTES = 16 * 1024
 
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
             torch.Tensor.bmm}
@@ -60,6 +67,7 @@ _CONVS = {F.conv2d, torch.conv2d}
 _GRID_SAMPLES = {F.grid_sample}
 _ADAPTIVE_POOLS = {F.adaptive_avg_pool2d}
 _SIGMOIDS = {torch.sigmoid, torch.Tensor.sigmoid}
+_ADDCMULS = {torch.addcmul, torch.Tensor.addcmul}
 
 
 class MesaMulFunction(torch.autograd.Function):
@@ -89,6 +97,36 @@ class MesaMulFunction(torch.autograd.Function):
         return (*operand_gradients(
             ctx, grad, 0, lambda g, b: sum_to(g * b.reshape(b_shape), *ctx.a_meta),
             lambda g, a: sum_to(g * a.reshape(a_shape), *ctx.b_meta)), None, None)
+
+
+class MesaAddcmulFunction(torch.autograd.Function):
+    """``torch.addcmul(input, a, b, value=v)`` (ConvNeXt-V2's response norm: ``bias + weight *
+    x``), saving ``a`` and ``b`` as ``MesaMulFunction`` saves a product's operands."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, input: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float,
+                quant_a: ActivationQuantizer | None, quant_b: ActivationQuantizer | None
+                ) -> torch.Tensor:
+        record_input(ctx, a)
+        ctx.value = value
+        ctx.metas = tuple((t.shape, t.dtype) for t in (input, a, b))
+        y = torch.addcmul(input, a, b, value=value)
+        keep_b, keep_a = ctx.needs_input_grad[1:3]
+        saved_a = (quant_a.pack(feature_map(a)) if quant_a is not None else a) if keep_a else None
+        saved_b = (quant_b.pack(feature_map(b)) if quant_b is not None else b) if keep_b else None
+        save(ctx, saved_a, saved_b)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        input_meta, a_meta, b_meta = ctx.metas
+        scaled = grad * ctx.value if ctx.value != 1 else grad
+        grad_input = sum_to(grad, *input_meta) if ctx.needs_input_grad[0] else None
+        return (grad_input, *operand_gradients(
+            ctx, scaled, 1, lambda g, b: sum_to(g * b.reshape(b_meta[0]), *a_meta),
+            lambda g, a: sum_to(g * a.reshape(a_meta[0]), *b_meta)), None, None, None)
 
 
 def feature_map(t: torch.Tensor) -> torch.Tensor:
@@ -128,19 +166,35 @@ class _ChildDepth:
 class _Capture(TorchFunctionMode):
     """Routes the owner's own matmuls, softmaxes, products and linears through Mesa Functions."""
 
-    def __init__(self, owner: MesaFunctional) -> None:
+    def __init__(self, owner: MesaFunctional, probing: bool = False) -> None:
         super().__init__()
         self.owner = owner
         self.calls = 0
+        self.routed = 0
+        self.probing = probing  # also note the owner's calls left to torch that save tensors
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.owner.mesa_child_depth == 0:
-            routed = self._route(func, args, kwargs)
-            if routed is not None:
-                return routed
-        return func(*args, **kwargs)
+        if self.owner.mesa_child_depth != 0 or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        routed = self._route(func, args, kwargs)
+        if routed is not None:
+            self.routed += 1
+            return routed
+        result = func(*args, **kwargs)
+        if self.probing:
+            self._note_left(func, result)
+        return result
+
+    def _note_left(self, func: Any, result: Any) -> None:
+        """Count a call Mesa has no route for whose node keeps an activation."""
+        outputs = result if isinstance(result, (tuple, list)) else (result,)
+        node = next((t.grad_fn for t in outputs if isinstance(t, torch.Tensor)
+                     and t.grad_fn is not None), None)
+        if node is not None and saved_activation_bytes(node) >= NOTED_LEFT_BYTES:
+            name = getattr(func, '__name__', repr(func))
+            self.owner.mesa_left_to_torch[f'{name}: no Mesa route'] += 1
 
     def _site(self, kind: str, roles: dict[str, tuple[int, int | None]]
               ) -> list[ActivationQuantizer] | None:
@@ -198,7 +252,19 @@ class _Capture(TorchFunctionMode):
             return self._sigmoid(args[0])
         elif func in SDPA_FUNCTIONS:
             return self._sdpa(args, kwargs)
+        elif func in _ADDCMULS:
+            return self._addcmul(*args, **kwargs)
+        elif func in ROUTES:
+            return ROUTES[func](self._site, args, kwargs)
         return None
+
+    def _addcmul(self, input: Any, a: Any, b: Any, *, value: float = 1) -> torch.Tensor | None:
+        """``input + value * a * b``: ``a`` and ``b`` packed as a product's operands."""
+        if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (input, a, b)):
+            return None
+        quantizers = self._operand_quantizers(a, b)
+        return None if quantizers is None else MesaAddcmulFunction.apply(input, a, b, value,
+                                                                          *quantizers)
 
     def _sdpa(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
         """Torch's fused attention (timm's and mmpretrain's attention): q, k and v packed per
@@ -290,6 +356,12 @@ class _Capture(TorchFunctionMode):
                 not (a.is_floating_point() and b.is_floating_point()) or \
                 not (a.requires_grad or b.requires_grad):
             return None
+        quantizers = self._operand_quantizers(a, b)
+        return None if quantizers is None else MesaMulFunction.apply(a, b, *quantizers)
+
+    def _operand_quantizers(self, a: torch.Tensor, b: torch.Tensor) -> tuple | None:
+        """The quantizers of a product's operands (None for one kept as it is), or None when
+        neither is worth packing or products are switched off."""
         pack_a = b.requires_grad and _worth_packing(a, b)  # a is saved for b's gradient
         pack_b = a.requires_grad and _worth_packing(b, a)
         if not (pack_a or pack_b):
@@ -300,8 +372,7 @@ class _Capture(TorchFunctionMode):
         if site is None:
             return None
         quantizers = iter(site)
-        return MesaMulFunction.apply(a, b, next(quantizers) if pack_a else None,
-                                     next(quantizers) if pack_b else None)
+        return next(quantizers) if pack_a else None, next(quantizers) if pack_b else None
 
     def _linear(self, input: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -311,6 +382,28 @@ class _Capture(TorchFunctionMode):
         if site is None:
             return None
         return MesaLinearFunction.apply(input, weight, bias, *site)
+
+
+def saved_activation_bytes(node: Any) -> int:
+    """Bytes of the tensors needing gradients that a torch autograd node keeps (its
+    ``_saved_*`` attributes; Parameters, buffers, masks and indices not counted). Mesa's own
+    Functions and other Python ones count as 0: what they keep is theirs to say."""
+    from torch.autograd.function import BackwardCFunction
+    if isinstance(node, BackwardCFunction):
+        return 0
+    total = 0
+    for name in dir(node):
+        if not name.startswith('_saved_'):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # a saved tensor already freed
+            continue
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor) and t.requires_grad and \
+                    not isinstance(t, nn.Parameter) and t.dim() > 0:
+                total += t.numel() * t.element_size()
+    return total
 
 
 def _softmax_args(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor | None, int]:
@@ -358,8 +451,15 @@ class MesaFunctional(MesaModule, nn.Module):
     mesa_sites: nn.ModuleDict
     mesa_child_depth: int
     # Calls of the module's own left to torch's autograd, by reason (a fused attention with
-    # dropout, ``layers.sdpa.left_to_torch``), counted over its training steps.
+    # dropout, ``layers.sdpa.left_to_torch``), counted over its training steps; for a module of
+    # the generic path also the calls of its first step with no Mesa route whose node keeps an
+    # activation (``saved_activation_bytes``), by op name.
     mesa_left_to_torch: Counter
+    # Converted by the generic path (``convert_to_mesa`` for a module no handler converts): its
+    # first training step finds out whether its own forward calls anything Mesa routes, and if
+    # not, the module goes back to its own class (``mesa_release``), so it costs nothing after.
+    mesa_generic: bool = False
+    mesa_probe_pending: bool = False
 
     def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
@@ -376,5 +476,48 @@ class MesaFunctional(MesaModule, nn.Module):
         if not self.mesa_active(*tensors, *self.parameters(recurse=False)):
             return super().forward(*args, **kwargs)
         self.mesa_child_depth = 0
-        with _Capture(self):
-            return super().forward(*args, **kwargs)
+        capture = _Capture(self, probing=self.mesa_probe_pending)
+        with capture:
+            out = super().forward(*args, **kwargs)
+        if self.mesa_probe_pending:
+            self.mesa_probe_pending = False
+            if not capture.routed:
+                self.mesa_release()
+        return out
+
+    def mesa_release(self) -> None:
+        """Back to the module's own class, its child hooks removed: a module of the generic
+        path whose forward calls nothing Mesa routes. What it counted in ``mesa_left_to_torch``
+        stays on it for reports."""
+        for child in _called_children(self):
+            for hooks in (child._forward_pre_hooks, child._forward_hooks):
+                for key in [k for k, h in hooks.items()
+                            if isinstance(h, _ChildDepth) and h.parent is self]:
+                    del hooks[key]
+        del self.mesa_sites
+        self.__class__ = own_type(self)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks besides the ones a ``MesaFunctional``
+    parent counts its children's calls with (which only mark whose calls are whose)."""
+    return bool(module._backward_pre_hooks or module._backward_hooks) or any(
+        not isinstance(hook, _ChildDepth)
+        for hooks in (module._forward_pre_hooks, module._forward_hooks) for hook in hooks.values())
+
+
+def own_type(module: nn.Module) -> type:
+    """A module's class as its author wrote it, seen through the generic path's wrapper (which
+    the module's first training step may remove again): what exact-type checks ask."""
+    cls = type(module)
+    if isinstance(module, MesaFunctional) and module.mesa_generic:
+        return next(b for b in cls.__bases__ if not issubclass(b, MesaModule))
+    return cls
+
+
+def convert_generic(module: nn.Module, config: MesaConfig) -> None:
+    """The generic path: ``module``'s own forward, whatever its class, through
+    ``MesaFunctional``, probed in its first training step (``MesaFunctional.mesa_generic``)."""
+    MesaFunctional.convert(module, config)
+    module.mesa_generic = True
+    module.mesa_probe_pending = True

@@ -1,0 +1,196 @@
+"""Routes for the functional activations and normalizations a module's own forward calls.
+
+timm's ``GELU`` / ``LayerNorm2d`` / ``BatchNormAct2d``, SwinV2's cosine attention and
+ConvNeXt-V2's global response norm call ``F.gelu``, ``F.layer_norm``, ``F.batch_norm``,
+``F.normalize`` or ``x.norm`` instead of a module Mesa swaps. ``MesaFunctional``
+(``layers.intercept``) hands such calls here: each route binds the call's arguments as torch
+does, and returns the matching Mesa Function's result, torch's own values, or None to leave the
+call to torch (arguments the Function does not take, nothing needing a gradient). A route asks
+its quantizers from ``site(layer_type, roles)`` (None: the layer type is switched off).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .activations import (
+    MesaGELUFunction,
+    MesaHardswishFunction,
+    MesaReLUFunction,
+    MesaSmoothFunction,
+)
+from .group_norm import MesaGroupNormFunction
+from .norm import MesaBatchNormFunction, MesaLayerNormFunction
+from .vector_norm import MesaNormalizeFunction, MesaVectorNormFunction
+
+Site = Callable[[str, dict], list | None]
+Route = Callable[[Site, tuple, dict], torch.Tensor | None]
+
+
+def _bind(names: tuple[str, ...], defaults: dict, args: tuple, kwargs: dict) -> dict | None:
+    """The call's arguments by name, or None for one this route does not know (an argument
+    left at None, as torch's wrappers pass ``dtype=None`` / ``out=None`` on, is no argument)."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in names}
+    if len(args) > len(names) or set(kwargs) - set(names):
+        return None
+    bound = dict(defaults, **dict(zip(names, args)), **kwargs)
+    return bound if all(n in bound for n in names) else None
+
+
+def _needs_grad(*tensors: Any) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _activation(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2 and \
+        not isinstance(t, torch.nn.Parameter)
+
+
+def channel_roles(x: torch.Tensor, role: str = 'input') -> dict:
+    """One quantizer grouped by channels: dim 1 of a feature map, the last dim of tokens."""
+    return {role: (1 if x.dim() >= 4 else -1, None)}
+
+
+def _gelu(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    b = _bind(('input', 'approximate'), dict(approximate='none'), args, kwargs)
+    if b is None or not (_activation(b['input']) and _needs_grad(b['input'])):
+        return None
+    quantizers = site('gelu', channel_roles(b['input']))
+    return None if quantizers is None else MesaGELUFunction.apply(
+        b['input'], b['approximate'], *quantizers)
+
+
+def _smooth(kind: str, op: Callable, inplace_arg: bool) -> Route:
+    """SiLU / Mish / Tanh / Sigmoid: one quantized copy (``MesaSmoothFunction``)."""
+    names = ('input', 'inplace') if inplace_arg else ('input',)
+
+    def route(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        b = _bind(names, dict(inplace=False), args, kwargs)
+        if b is None or not (_activation(b['input']) and _needs_grad(b['input'])):
+            return None
+        quantizers = site('activation', channel_roles(b['input']))
+        if quantizers is None:
+            return None
+        inplace = bool(b['inplace'])
+        call = functools.partial(op, inplace=True) if inplace else op
+        return MesaSmoothFunction.apply(b['input'], call, kind, inplace, *quantizers)
+    return route
+
+
+def _relu(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    b = _bind(('input', 'inplace'), dict(inplace=False), args, kwargs)
+    if b is None or not (_activation(b['input']) and _needs_grad(b['input'])) or \
+            site('relu', {}) is None:
+        return None
+    return MesaReLUFunction.apply(b['input'], bool(b['inplace']))
+
+
+def _hardswish(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    b = _bind(('input', 'inplace'), dict(inplace=False), args, kwargs)
+    if b is None or not (_activation(b['input']) and _needs_grad(b['input'])):
+        return None
+    quantizers = site('activation', channel_roles(b['input']))
+    return None if quantizers is None else MesaHardswishFunction.apply(
+        b['input'], bool(b['inplace']), *quantizers)
+
+
+def _layer_norm(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    b = _bind(('input', 'normalized_shape', 'weight', 'bias', 'eps'),
+              dict(weight=None, bias=None, eps=1e-5), args, kwargs)
+    if b is None or not _activation(b['input']) or \
+            not _needs_grad(b['input'], b['weight'], b['bias']):
+        return None
+    quantizers = site('layernorm', {'input': (-1, None)})
+    return None if quantizers is None else MesaLayerNormFunction.apply(
+        b['input'], tuple(b['normalized_shape']), b['weight'], b['bias'], b['eps'], *quantizers)
+
+
+def _group_norm(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    b = _bind(('input', 'num_groups', 'weight', 'bias', 'eps'),
+              dict(weight=None, bias=None, eps=1e-5), args, kwargs)
+    if b is None or not _activation(b['input']) or \
+            not _needs_grad(b['input'], b['weight'], b['bias']):
+        return None
+    quantizers = site('groupnorm', {'input': (1, None)})
+    return None if quantizers is None else MesaGroupNormFunction.apply(
+        b['input'], b['num_groups'], b['weight'], b['bias'], b['eps'], *quantizers)
+
+
+def _batch_norm(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """Training-mode batch norm of a feature map (timm's ``BatchNormAct2d``). Not other inputs:
+    a weight standardized with ``F.batch_norm`` (timm's ``StdConv2d``) is no activation, and
+    its gradient would take the codes' error whole."""
+    b = _bind(('input', 'running_mean', 'running_var', 'weight', 'bias', 'training',
+               'momentum', 'eps'),
+              dict(weight=None, bias=None, training=False, momentum=0.1, eps=1e-5), args, kwargs)
+    if b is None or not b['training'] or not _activation(b['input']) or \
+            b['input'].dim() != 4 or not _needs_grad(b['input'], b['weight'], b['bias']):
+        return None
+    quantizers = site('batchnorm', {'input': (1, 1)})
+    return None if quantizers is None else MesaBatchNormFunction.apply(
+        b['input'], b['weight'], b['bias'], b['running_mean'], b['running_var'],
+        b['momentum'], b['eps'], *quantizers)
+
+
+def _normalize(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    b = _bind(('input', 'p', 'dim', 'eps', 'out'), dict(p=2.0, dim=1, eps=1e-12, out=None),
+              args, kwargs)
+    if b is None or b['p'] != 2 or b['out'] is not None or not isinstance(b['dim'], int) or \
+            not (_activation(b['input']) and _needs_grad(b['input'])):
+        return None
+    x = b['input']
+    # per head and channel for (B, heads, N, d) attention operands, else per channel group
+    roles = {'output': (1, 1)} if x.dim() == 4 and b['dim'] % 4 == 3 else \
+        {'output': (-1, None)}
+    quantizers = site('normalize', roles)
+    return None if quantizers is None else MesaNormalizeFunction.apply(
+        x, b['dim'], b['eps'], *quantizers)
+
+
+def _vector_norm(func: Any) -> Route:
+    """``x.norm(2, dim)`` / ``torch.norm`` / ``torch.linalg.vector_norm`` over given dims."""
+    if func is torch.linalg.vector_norm:
+        names, defaults = ('input', 'ord', 'dim', 'keepdim'), dict(ord=2, dim=None, keepdim=False)
+        order = 'ord'
+    else:
+        names, defaults = ('input', 'p', 'dim', 'keepdim'), dict(p='fro', dim=None, keepdim=False)
+        order = 'p'
+
+    def route(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        b = _bind(names, defaults, args, kwargs)
+        if b is None or b['dim'] is None or not (_activation(b['input']) and
+                                                 _needs_grad(b['input'])):
+            return None
+        dims = (b['dim'],) if isinstance(b['dim'], int) else tuple(b['dim'])
+        if b[order] not in (2, 2.0) and not (b[order] == 'fro' and len(dims) <= 2):
+            return None
+        x = b['input']
+        quantizers = site('normalize', channel_roles(x))
+        if quantizers is None:
+            return None
+        op = functools.partial(func, **{k: v for k, v in b.items() if k != 'input'})
+        return MesaVectorNormFunction.apply(x, op, dims, bool(b['keepdim']), *quantizers)
+    return route
+
+
+ROUTES: dict[Any, Route] = {
+    F.gelu: _gelu, torch._C._nn.gelu: _gelu,
+    F.silu: _smooth('silu', F.silu, True),
+    F.mish: _smooth('mish', F.mish, True),
+    torch.tanh: _smooth('tanh', torch.tanh, False),
+    torch.Tensor.tanh: _smooth('tanh', torch.tanh, False),
+    F.relu: _relu,
+    F.hardswish: _hardswish,
+    F.layer_norm: _layer_norm,
+    F.group_norm: _group_norm,
+    F.batch_norm: _batch_norm,
+    F.normalize: _normalize,
+    torch.norm: _vector_norm(torch.norm),
+    torch.Tensor.norm: _vector_norm(torch.Tensor.norm),
+    torch.linalg.vector_norm: _vector_norm(torch.linalg.vector_norm),
+}
