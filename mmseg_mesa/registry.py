@@ -78,6 +78,15 @@ def register_handler(module_type: type, layer_type: str, convert: Converter,
     _HANDLERS[module_type] = Handler(layer_type, convert, check, tuple(replaces))
 
 
+def register_left(module_type: type, reason: str) -> None:
+    """Leave ``module_type`` (and its subclasses) as it is, ``reason`` in the report: a module
+    whose compression was measured and refused, which the generic path would otherwise take."""
+    def refuse(module: nn.Module, config: MesaConfig) -> None:
+        raise AssertionError(f'{type(module).__name__} is left, never converted')
+
+    register_handler(module_type, 'generic', refuse, check=lambda module: reason, replaces=())
+
+
 def mesa_layer(module_type: type, layer_type: str, check: Checker | None = None,
                replaces: tuple[str, ...] = ('forward',), covers: tuple[str, ...] = (),
                **properties: bool) -> Callable[[L], L]:

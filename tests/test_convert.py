@@ -300,3 +300,17 @@ def _handler_convert(module_type):
     from mmseg_mesa.registry import handler_for_type
     handler, _ = handler_for_type(module_type)
     return handler.convert if handler is not None else None
+
+
+def test_a_type_registered_as_left_is_not_taken_by_the_generic_path(tables):
+    from mmseg_mesa.registry import register_left
+
+    class Decomposition(nn.Module):
+        def forward(self, x):
+            return torch.tanh(x) @ x.transpose(-1, -2)
+
+    register_left(Decomposition, 'measured: packing it keeps more')
+    model = nn.Sequential(nn.Linear(4, 4), Decomposition())
+    report = convert_to_mesa(model)
+    assert report.left['1'] == ('Decomposition', 'measured: packing it keeps more')
+    assert '1' not in report.generic and type(model[1]) is Decomposition

@@ -142,6 +142,8 @@ def coverage(cfg: Any, size: tuple[int, int], batch_size: int) -> dict:
                             for t, b in sorted(float_by_type.items(), key=lambda kv: -kv[1])],
         unconverted=[dict(type=t, reason=r, count=c)
                      for (t, r), c in sorted(report.left_by_reason().items())],
+        left_to_torch=[dict(type=t, reason=r, count=c)
+                       for (t, r), c in sorted(report.left_to_torch().items())],
         reuse=reuse.summary())
 
 
@@ -171,6 +173,10 @@ def format_result(result: dict, top: int) -> str:
         lines += ['', 'Saves of another layer\'s codes, by layer type (reused / packed again, '
                   'with the reason / nothing on offer):']
         lines += [f'  {line}' for line in result['reuse'].splitlines()]
+    if result.get('left_to_torch'):
+        lines += ['', "Calls of converted modules' own forwards left to torch (per step):"]
+        lines += [f"  {row['count']:5d} x {row['type']}: {row['reason']}"
+                  for row in result['left_to_torch']]
     if result['unconverted']:
         lines += ['', 'Left unconverted (leaf modules):']
         lines += [f"  {row['count']:5d} x {row['type']}: {row['reason']}"
