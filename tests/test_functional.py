@@ -109,7 +109,7 @@ def test_deepcopy_keeps_child_tracking_on_the_copy():
     x = torch.randn(2, 16, 32, requires_grad=True)
     twin(x)
     assert twin.mesa_child_depth == 0 and ours.mesa_child_depth == 0
-    assert len(twin.mesa_sites) == 9 and len(ours.mesa_sites) == 0
+    assert len(twin.mesa_sites) == 9 and not hasattr(ours, 'mesa_sites')  # made at a first call
     assert isinstance(twin, MesaModule) and isinstance(twin, FunctionalAttention)
 
 

@@ -58,6 +58,11 @@ OPS = {
                                           value=0.5),
     'swiglu': lambda s, h: F.silu(h) * h.flip(-1),
     'layer-scale': lambda s, h: h * s.weight,
+    'star-relu': lambda s, h: F.relu(h) ** 2 * 0.8 - 0.4,
+    'pow': lambda s, h: torch.pow(h, 3),
+    'layer-norm-by-hand': lambda s, h: (h - h.mean(-1, keepdim=True)) / torch.sqrt(
+        (h - h.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + 1e-6),
+    'div': lambda s, h: h.div(h.norm(2, -1, keepdim=True) + 1),
     'sdpa': lambda s, h: F.scaled_dot_product_attention(
         *(h.reshape(2, 16, 4, 8).transpose(1, 2),) * 3),
 }
@@ -195,3 +200,26 @@ def test_skip_patterns_and_filters_apply_to_the_generic_path():
                              module_filter_fn=lambda m, name: name != '1')
     assert not report.generic
     assert report.converted.keys() == {'0.fc', '1.fc'}
+
+
+def test_a_forward_running_every_child_meets_no_mesa_child():
+    """timm's ``RegStage`` runs ``for block in self.children()``: the generic path adds no child
+    to a module that routes nothing."""
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.GELU()
+
+        def forward(self, x):
+            for block in self.children():
+                x = block(x)
+            return x
+
+    reference = Stage()
+    model = copy.deepcopy(reference)
+    report = convert_to_mesa(model)
+    assert '' in report.generic
+    x = torch.randn(2, 8, requires_grad=True)
+    assert torch.equal(model(x), reference(x))
+    assert type(model) is Stage

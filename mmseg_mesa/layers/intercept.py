@@ -184,15 +184,18 @@ class _Capture(TorchFunctionMode):
             return routed
         result = func(*args, **kwargs)
         if self.probing:
-            self._note_left(func, result)
+            self._note_left(func, result, (*args, *kwargs.values()))
         return result
 
-    def _note_left(self, func: Any, result: Any) -> None:
+    def _note_left(self, func: Any, result: Any, inputs: tuple) -> None:
         """Count a call Mesa has no route for whose node keeps an activation."""
         outputs = result if isinstance(result, (tuple, list)) else (result,)
         node = next((t.grad_fn for t in outputs if isinstance(t, torch.Tensor)
                      and t.grad_fn is not None), None)
-        if node is not None and saved_activation_bytes(node) >= NOTED_LEFT_BYTES:
+        if node is None or any(isinstance(t, torch.Tensor) and t.grad_fn is node
+                               for t in inputs):  # no node of its own (``x.to(x.dtype)``)
+            return
+        if saved_activation_bytes(node) >= NOTED_LEFT_BYTES:
             name = getattr(func, '__name__', repr(func))
             self.owner.mesa_left_to_torch[f'{name}: no Mesa route'] += 1
 
@@ -203,7 +206,7 @@ class _Capture(TorchFunctionMode):
         if kind not in config.layers:
             return None
         self.calls += 1
-        sites = self.owner.mesa_sites
+        sites = self.owner.mesa_call_sites()
         layer_config = config.for_layer(kind)
         if self.owner.mesa_row_groups:
             layer_config = row_group_config(layer_config)
@@ -448,7 +451,7 @@ class MesaFunctional(MesaModule, nn.Module):
     as it is). Calls made while one of its child modules runs are left to that child.
     """
 
-    mesa_sites: nn.ModuleDict
+    mesa_sites: nn.ModuleDict  # made by ``mesa_call_sites``
     mesa_child_depth: int
     # Calls of the module's own left to torch's autograd, by reason (a fused attention with
     # dropout, ``layers.sdpa.left_to_torch``), counted over its training steps; for a module of
@@ -463,13 +466,20 @@ class MesaFunctional(MesaModule, nn.Module):
 
     def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
-        self.mesa_sites = nn.ModuleDict()
         self.mesa_child_depth = 0
         self.mesa_left_to_torch = Counter()
         for child in _called_children(self):
-            if child is not self.mesa_sites:
+            if child is not getattr(self, 'mesa_sites', None):
                 child.register_forward_pre_hook(_ChildDepth(self, 1))
                 child.register_forward_hook(_ChildDepth(self, -1))
+
+    def mesa_call_sites(self) -> nn.ModuleDict:
+        """The quantizers of the module's call sites, a child made at its first routed call:
+        forwards that run every child in turn (timm's ``RegStage``) never meet it unless the
+        module routes something."""
+        if 'mesa_sites' not in self._modules:
+            self.mesa_sites = nn.ModuleDict()
+        return self.mesa_sites
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -494,7 +504,8 @@ class MesaFunctional(MesaModule, nn.Module):
                 for key in [k for k, h in hooks.items()
                             if isinstance(h, _ChildDepth) and h.parent is self]:
                     del hooks[key]
-        del self.mesa_sites
+        if 'mesa_sites' in self._modules:
+            del self.mesa_sites
         self.__class__ = own_type(self)
 
 

@@ -1,0 +1,79 @@
+"""Element-wise powers and quotients a module computes itself: MetaFormer's ``StarReLU``
+(``relu(x) ** 2``), hand-written layer norms (``(x - u) / sqrt(s + eps)``), linear attention's
+normalizer.
+
+Torch keeps the base of a power and both sides of a quotient at full precision. These Functions
+compute the op with torch's own call, so the forward is torch's to the bit, and keep the base, or
+the numerator, as 8-bit codes. A denominator is kept as it is: it is usually a per-token or
+per-channel statistic, small next to the numerator, and one quantization step of a denominator
+near zero would be a large error in the quotient's gradient.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..quantizer import ActivationQuantizer, unpack
+from ..saved import load, save
+from .autocast import cast, no_autocast_backward, record_input, returns_owned
+from .formulas import sum_to
+
+
+class MesaPowFunction(torch.autograd.Function):
+    """``x ** exponent`` for a number ``exponent``, keeping ``x`` packed."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, exponent: float,
+                op: Callable[[torch.Tensor], torch.Tensor],
+                quantizer: ActivationQuantizer) -> torch.Tensor:
+        record_input(ctx, x)
+        ctx.exponent = exponent
+        y = op(x)
+        save(ctx, quantizer.pack(x))
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (packed,) = load(ctx)
+        e = ctx.exponent
+        if e == 0:
+            return torch.zeros_like(grad, dtype=ctx.input_dtype), None, None, None
+        x = unpack(packed, torch.float32)
+        grad_x = grad.float() * (e * x.pow(e - 1))
+        return cast(grad_x, ctx.input_dtype), None, None, None
+
+
+class MesaDivFunction(torch.autograd.Function):
+    """``a / b`` (broadcasting), keeping ``a`` packed (what ``b``'s gradient reads) and ``b`` as
+    it is."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor,
+                op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                quantizer: ActivationQuantizer | None) -> torch.Tensor:
+        record_input(ctx, a)
+        ctx.metas = ((a.shape, a.dtype), (b.shape, b.dtype))
+        y = op(a, b)
+        keep_a = ctx.needs_input_grad[1]
+        saved_a = (a if quantizer is None else quantizer.pack(a)) if keep_a else None
+        save(ctx, saved_a, b)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        saved_a, b = load(ctx)
+        a_meta, b_meta = ctx.metas
+        g, bf = grad.float(), b.float()
+        grad_a = sum_to(g / bf, *a_meta) if ctx.needs_input_grad[0] else None
+        grad_b = None
+        if ctx.needs_input_grad[1]:
+            a = saved_a.float() if isinstance(saved_a, torch.Tensor) else \
+                unpack(saved_a, torch.float32)
+            grad_b = sum_to(-g * a / (bf * bf), *b_meta)
+        return grad_a, grad_b, None, None
