@@ -18,26 +18,25 @@ conversion on the same random batch (``--size`` square, ``--batch`` images) and 
   (``mmseg_mesa.bench.fidelity``).
 
 Families that cannot be built here are listed with the reason (``SKIPPED``). Each config runs in
-a process of its own (``--one``), so one that fails or runs out of memory ends only its row.
+a process of its own (``--one``; ``mmseg_mesa.bench.sweep``), so one that fails or runs out of
+memory ends only its row.
 A slow benchmark (about 30 min on 2 cores), not a test: ``tests/test_zoo.py`` holds a few
 representatives to their bounds.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import os.path as osp
-import subprocess
 import sys
-import tempfile
-import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from mmseg_mesa.bench import sweep
+from mmseg_mesa.bench.sweep import configs_root
 
 # family -> its representative config in mmseg's configs/
 CONFIGS = {
@@ -105,11 +104,6 @@ SKIPPED = {
 SIZES = {'mobilenet_v3': 512}
 
 
-def configs_root() -> str:
-    import mmseg
-    return osp.join(osp.dirname(mmseg.__file__), '.mim', 'configs')
-
-
 def families() -> list[str]:
     """Every method family in mmseg's configs/ (its directories but ``_base_``)."""
     root = configs_root()
@@ -117,58 +111,14 @@ def families() -> list[str]:
                   if osp.isdir(osp.join(root, d)) and not d.startswith(('_', '.')))
 
 
-def same_losses(a: dict, b: dict) -> bool:
-    def flat(v: Any) -> list:
-        return list(v) if isinstance(v, list) else [v]
-    return a.keys() == b.keys() and all(
-        len(flat(a[k])) == len(flat(b[k])) and all(torch.equal(x, y) for x, y in
-                                                    zip(flat(a[k]), flat(b[k]))) for k in a)
-
-
-def measure(path: str, size: int, batch_size: int, result: dict) -> dict:
-    """One config: the baseline and the default Mesa conversion on one batch (see the
-    module docstring), filling ``result`` (its ``stage`` says how far it got)."""
-    from mmseg_mesa import convert_to_mesa
-    from mmseg_mesa.bench.coverage import module_types, split_saved, training_forward
-    from mmseg_mesa.bench.fidelity import (
-        losses_and_gradients,
-        relative_error,
-        split,
-        worst_cosine,
-    )
-    from mmseg_mesa.bench.models import build_model, load_config, make_batch
-    result['stage'] = 'config'
+def zoo_config(path: str, size: int) -> Any:
+    """The config as the sweep builds it: no downloads, ViTs' and BEiT's position tables at
+    ``size``."""
+    from mmseg_mesa.bench.models import load_config
     cfg = load_config(path)
     if 'img_size' in cfg.model.get('backbone', {}):  # ViTs' position embeddings, BEiT's tables
         cfg.model.backbone.img_size = (size, size)
-    result['stage'] = 'build'
-    reference = build_model(cfg, 'cpu')
-    data, other = split(make_batch(cfg, 2 * batch_size, (size, size), 'cpu'), batch_size)
-    # copied before any step: a training forward may update state it reads (EMANet's bases)
-    model = copy.deepcopy(reference)
-    result['stage'] = 'baseline step'
-    reference.train()
-    exact_losses, exact = losses_and_gradients(reference, data)
-    result['stage'] = 'conversion'
-    report = convert_to_mesa(model)
-    result['stage'] = 'Mesa step'
-    model.train()
-    losses, grads = losses_and_gradients(model, data)
-    noise = relative_error(losses_and_gradients(reference, other)[1], exact)
-    result.update(forward_identical=same_losses(exact_losses, losses),
-                  relative_error=relative_error(grads, exact), minibatch_noise=noise,
-                  worst_cosine=worst_cosine(grads, exact), converted=len(report.converted))
-    result['stage'] = 'saved bytes'
-    base = split_saved(reference, training_forward(reference, data))
-    mesa = split_saved(model, training_forward(model, data))
-    types = module_types(model)
-    total = base['saved_bytes']
-    left = sorted(mesa['left_by_module'].items(), key=lambda kv: -kv[1])
-    result.update(saved_ratio=mesa['saved_bytes'] / total, left_share=mesa['left_bytes'] / total,
-                  left_top=[dict(name=n or '(model)', type=types.get(n, '?'), share=b / total)
-                            for n, b in left[:3]])
-    result['stage'] = 'done'
-    return result
+    return cfg
 
 
 def run_one(family: str, size: int, batch: int, timeout: float) -> dict:
@@ -176,61 +126,15 @@ def run_one(family: str, size: int, batch: int, timeout: float) -> dict:
     path = osp.join(configs_root(), family, CONFIGS[family])
     size = SIZES.get(family, size)
     row: dict = dict(family=family, config=f'{family}/{CONFIGS[family]}', size=size)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = osp.join(tmp, 'result.json')
-        command = [sys.executable, osp.abspath(__file__), '--one', path, '--size', str(size),
-                   '--batch', str(batch), '--json', out]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '1'))
-        start = time.perf_counter()
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return dict(row, outcome=f'timed out after {timeout:.0f} s', seconds=timeout)
-        row['seconds'] = time.perf_counter() - start
-        if osp.exists(out):
-            with open(out) as f:
-                row.update(json.load(f))
-        if done.returncode != 0 and 'outcome' not in row:
-            tail = (done.stderr or done.stdout).strip().splitlines()
-            row['outcome'] = f"process exited {done.returncode}: {tail[-1] if tail else ''}"
-    return row
-
-
-def one(path: str, size: int, batch: int, json_path: str) -> int:
-    """``--one``: measure a config, writing the row (with its outcome) to ``json_path``."""
-    result: dict = dict(stage='start')
-    code = 0
-    try:
-        measure(path, size, batch, result)
-        result['outcome'] = 'ok'
-    except Exception as error:  # the row says where and why; the sweep goes on
-        stage = result.get('stage', '?')
-        message = str(error).strip().splitlines()
-        result = dict(outcome=f"{stage}: {type(error).__name__}: {message[0] if message else ''}"
-                      [:300])
-        traceback.print_exc()
-        code = 1
-    with open(json_path, 'w') as f:
-        json.dump(result, f)
-    return code
+    return sweep.run_one(__file__, path, size, batch, timeout, row)
 
 
 def format_row(row: dict) -> str:
     config = f"`{row['config'].split('/')[1]}`" if row['config'] else '-'
-    if row.get('outcome') != 'ok':
-        return f"| {row['family']} | {config} | {row.get('outcome')} | | | | | |"
-    top = ', '.join(f"`{t['type']}` {t['share']:.3f}" for t in row['left_top']
-                    if t['share'] >= 0.005) or '-'
-    identical = 'yes' if row['forward_identical'] else '**no**'
-    return (f"| {row['family']} | {config} | ok, forward identical: "
-            f"{identical} | {row['saved_ratio']:.3f} | {row['left_share']:.3f} | {top} | "
-            f"{row['relative_error']:.4f} ({row['relative_error'] / row['minibatch_noise']:.3f}"
-            f" of noise) | {row['worst_cosine']:.4f} |")
+    return sweep.format_row([row['family'], config], row)
 
 
-HEADER = ('| family | config | outcome | saved / baseline | left | left by (share > 0.005) | '
-          'gradient error | worst cosine |\n|---|---|---|---:|---:|---|---|---:|')
+HEADER = sweep.header(['family', 'config'])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -246,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        sys.exit(one(args.one, args.size, args.batch, args.json))
+        sys.exit(sweep.one(lambda: zoo_config(args.one, args.size), args.size, args.batch,
+                           args.json))
     found = families()
     unknown = sorted(set(args.families or []) - set(found))
     if unknown:

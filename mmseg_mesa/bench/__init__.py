@@ -6,6 +6,8 @@ and the tests measure through them too. They need mmengine and mmseg (``kernels`
 nothing else in ``mmseg_mesa`` imports this package, and this ``__init__`` imports none of them:
 ``models`` (a config's model and a random batch), ``memory`` (step peaks, saved bytes and the
 batch planner), ``speed`` (interleaved step times), ``fidelity`` (Mesa's gradient against the
-exact one), ``coverage`` (what Mesa leaves uncompressed) and ``kernels`` (the compiled kernels'
-throughput).
+exact one), ``coverage`` (what Mesa leaves uncompressed), ``kernels`` (the compiled kernels'
+throughput), ``sweep`` (one training step of a model and of its conversion, a process per model:
+``tools/benchmark_zoo.py`` and ``tools/benchmark_backbones.py``) and ``backbones`` (UPerNet
+around any backbone mmpretrain builds).
 """

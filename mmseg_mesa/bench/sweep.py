@@ -1,0 +1,181 @@
+"""One training step of a segmentor and of its default Mesa conversion, one model per process.
+
+``tools/benchmark_zoo.py`` (one config per mmseg family) and ``tools/benchmark_backbones.py``
+(UPerNet around backbones mmseg's configs never name) sweep models through ``run_one``: it
+starts the tool again with ``--one KEY``, whose ``one`` builds that model's config and fills a
+row with ``measure``; a model that fails or runs out of memory ends only its own row.
+
+``measure`` compares, on the same random batch: whether every loss of the converted forward is
+bit-identical to the unconverted one's; saved bytes against the baseline's and the share Mesa
+leaves uncompressed, with the modules holding most of it (``coverage``); the whole-gradient
+relative error, the minibatch noise of the same batch size and the worst cosine (``fidelity``);
+and the calls the conversion's generic path left to torch in that step.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import os.path as osp
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+COLUMNS = ('outcome', 'saved / baseline', 'left', 'left by (share > 0.005)', 'gradient error',
+           'worst cosine')
+ALIGN = ('---', '---:', '---:', '---', '---', '---:')
+
+
+def configs_root() -> str:
+    """mmseg's ``configs/`` as installed (its ``.mim`` copy)."""
+    import mmseg
+    return osp.join(osp.dirname(mmseg.__file__), '.mim', 'configs')
+
+
+def same_losses(a: dict, b: dict) -> bool:
+    """Whether two mmseg loss dicts hold bit-identical values under the same keys."""
+    def flat(v: Any) -> list:
+        return list(v) if isinstance(v, list) else [v]
+    return a.keys() == b.keys() and all(
+        len(flat(a[k])) == len(flat(b[k])) and all(torch.equal(x, y) for x, y in
+                                                    zip(flat(a[k]), flat(b[k]))) for k in a)
+
+
+def measure(cfg: Any, size: int, batch_size: int, result: dict) -> dict:
+    """The baseline and the default Mesa conversion of ``cfg``'s model on one batch of
+    ``batch_size`` random ``size`` x ``size`` images, filling ``result`` (its ``stage`` says how
+    far it got, so a failure names the step that raised)."""
+    from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa.bench.coverage import module_types, split_saved, training_forward
+    from mmseg_mesa.bench.fidelity import (
+        losses_and_gradients,
+        relative_error,
+        split,
+        worst_cosine,
+    )
+    from mmseg_mesa.bench.models import build_model, make_batch
+    result['stage'] = 'build'
+    reference = build_model(cfg, 'cpu')
+    data, other = split(make_batch(cfg, 2 * batch_size, (size, size), 'cpu'), batch_size)
+    # copied before any step: a training forward may update state it reads (EMANet's bases)
+    model = copy.deepcopy(reference)
+    result['stage'] = 'baseline step'
+    reference.train()
+    exact_losses, exact = losses_and_gradients(reference, data)
+    result['stage'] = 'conversion'
+    report = convert_to_mesa(model)
+    result['stage'] = 'Mesa step'
+    model.train()
+    losses, grads = losses_and_gradients(model, data)
+    # read now: the counts accumulate over training forwards, and this was the first
+    left_to_torch = sorted(report.left_to_torch().items(), key=lambda kv: (-kv[1], kv[0]))
+    noise = relative_error(losses_and_gradients(reference, other)[1], exact)
+    result.update(forward_identical=same_losses(exact_losses, losses),
+                  relative_error=relative_error(grads, exact), minibatch_noise=noise,
+                  worst_cosine=worst_cosine(grads, exact), converted=len(report.converted),
+                  left_to_torch=[f'{n} x {typ}: {reason}' for (typ, reason), n in left_to_torch])
+    result['stage'] = 'saved bytes'
+    base = split_saved(reference, training_forward(reference, data))
+    mesa = split_saved(model, training_forward(model, data))
+    types = module_types(model)
+    total = base['saved_bytes']
+    left = sorted(mesa['left_by_module'].items(), key=lambda kv: -kv[1])
+    result.update(saved_ratio=mesa['saved_bytes'] / total, left_share=mesa['left_bytes'] / total,
+                  left_top=[dict(name=n or '(model)', type=types.get(n, '?'), share=b / total)
+                            for n, b in left[:3]])
+    result['stage'] = 'done'
+    return result
+
+
+def one(make_config: Callable[[], Any], size: int, batch: int, json_path: str) -> int:
+    """A tool's ``--one``: build the config and ``measure`` it, writing the row (with its
+    ``outcome``: ``ok`` or the stage that failed and its error) to ``json_path``; the exit
+    status is 1 on failure."""
+    result: dict = dict(stage='config')
+    code = 0
+    try:
+        measure(make_config(), size, batch, result)
+        result['outcome'] = 'ok'
+    except Exception as error:  # the row says where and why; the sweep goes on
+        stage = result.get('stage', '?')
+        message = str(error).strip().splitlines()
+        result = dict(outcome=f"{stage}: {type(error).__name__}: {message[0] if message else ''}"
+                      [:300])
+        traceback.print_exc()
+        code = 1
+    with open(json_path, 'w') as f:
+        json.dump(result, f)
+    return code
+
+
+def run_one(script: str, key: str, size: int, batch: int, timeout: float, row: dict) -> dict:
+    """``python SCRIPT --one KEY`` in a process of its own (one thread unless
+    ``OMP_NUM_THREADS`` says otherwise): ``row`` with the measured fields and ``seconds``, or
+    with an ``outcome`` saying how the process ended."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = osp.join(tmp, 'result.json')
+        # faulthandler: a process that crashes in native code still names the Python frame
+        command = [sys.executable, '-X', 'faulthandler', osp.abspath(script), '--one', key,
+                   '--size', str(size), '--batch', str(batch), '--json', out]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '1'))
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return dict(row, outcome=f'timed out after {timeout:.0f} s', seconds=timeout)
+        row['seconds'] = time.perf_counter() - start
+        if osp.exists(out):
+            with open(out) as f:
+                row.update(json.load(f))
+        if done.returncode != 0 and 'outcome' not in row:
+            row['outcome'] = ended(done.returncode, done.stderr or done.stdout)
+    return row
+
+
+def ended(code: int, output: str) -> str:
+    """How a ``--one`` process that wrote no row ended: the signal that killed it and the
+    innermost Python frame faulthandler printed, else its exit status and last line."""
+    lines = output.strip().splitlines()
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f'signal {-code}'
+        current = next((i for i, line in enumerate(lines)
+                        if line.startswith('Current thread')), 0)
+        frames = [line.strip() for line in lines[current:] if line.strip().startswith('File "')]
+        where = frames[0].split('"') if frames else []
+        return f'process killed by {name}' + (  # 'File "PATH", line N in FUNCTION'
+            f' in {osp.basename(where[1])}{where[2]}' if len(where) == 3 else '')
+    return f"process exited {code}: {lines[-1] if lines else ''}"
+
+
+def header(labels: Sequence[str], extra: Sequence[str] = ()) -> str:
+    """The Markdown header: ``labels`` (the row's name cells), ``COLUMNS``, then ``extra``."""
+    names = [*labels, *COLUMNS, *extra]
+    align = ['---'] * len(labels) + list(ALIGN) + ['---'] * len(extra)
+    return f"| {' | '.join(names)} |\n|{'|'.join(align)}|"
+
+
+def format_row(labels: Sequence[str], row: dict, extra: Sequence[str] = ()) -> str:
+    """One Markdown row: the ``labels`` cells, the measured ``COLUMNS`` (only the outcome where
+    it is not ``ok``), then the ``extra`` cells."""
+    if row.get('outcome') != 'ok':
+        return (f"| {' | '.join(labels)} | {row.get('outcome')} |"
+                + ' |' * (len(COLUMNS) - 1 + len(extra)))
+    top = ', '.join(f"`{t['type']}` {t['share']:.3f}" for t in row['left_top']
+                    if t['share'] >= 0.005) or '-'
+    identical = 'yes' if row['forward_identical'] else '**no**'
+    cells = [f'ok, forward identical: {identical}', f"{row['saved_ratio']:.3f}",
+             f"{row['left_share']:.3f}", top,
+             f"{row['relative_error']:.4f} ({row['relative_error'] / row['minibatch_noise']:.3f}"
+             ' of noise)', f"{row['worst_cosine']:.4f}", *extra]
+    return f"| {' | '.join(labels)} | {' | '.join(cells)} |"
