@@ -218,26 +218,61 @@ def test_converted_module_is_exact_and_keeps_8_bit_operands():
 def test_attention_switched_off_is_left_to_torch():
     mine = converted(FusedAttention(), MesaConfig(layers={'linear'}))
     mine(torch.randn(2, 9, 32, requires_grad=True))
-    assert not mine.mesa_sites and not mine.mesa_left_to_torch
+    assert not getattr(mine, 'mesa_sites', None) and not mine.mesa_left_to_torch
+
+
+class ExpandedBias(FusedAttention):
+    """A learned bias handed to SDPA as an expanded view (stride 0 over the batch)."""
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias.expand(b, -1, -1, -1))
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
 
 
 @pytest.mark.parametrize('case', ['dropout', 'learned-bias'])
-def test_dropout_and_learned_masks_are_left_to_torch(case):
+def test_dropout_and_expanded_learned_masks_are_left_to_torch(case):
     """Calls the Function cannot take run torch's own node: the output and gradients are
     torch's, and the module counts why."""
-    bias = nn.Parameter(torch.randn(1, 4, 9, 9)) if case == 'learned-bias' else None
-    ref = FusedAttention(dropout=0.25 if case == 'dropout' else 0.0, bias=bias)
+    if case == 'learned-bias':
+        ref = ExpandedBias(bias=nn.Parameter(torch.randn(1, 4, 9, 9)))
+    else:
+        ref = FusedAttention(dropout=0.25)
     mine = converted(ref)
     x = torch.randn(2, 9, 32)
     y_ref, gx_ref, saved_ref = step(ref, x)
     y, gx, saved = step(mine, x)
     assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
     assert saved.by_module[''] == saved_ref.by_module['']
-    assert not mine.mesa_sites
+    assert not getattr(mine, 'mesa_sites', None)
     (reason, count), = mine.mesa_left_to_torch.items()
     assert count == 1 and reason.startswith('dropout_p' if case == 'dropout' else 'attn_mask')
     if case == 'learned-bias':
         assert torch.equal(mine.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize('shape', [(4, 9, 11), (1, 4, 9, 11), (2, 1, 9, 1)])
+@pytest.mark.parametrize('block_bytes', [None, 1000])
+def test_a_learned_bias_gets_the_exact_gradient_at_the_decoded_operands(shape, block_bytes,
+                                                                        monkeypatch):
+    """A mask that needs a gradient (timm's TinyViT / MaxViT position bias): its gradient is
+    torch's at the 8-bit q, k and v, summed over its broadcast dimensions, by blocks too."""
+    if block_bytes is not None:
+        monkeypatch.setattr(attention_core, 'MAP_BLOCK_BYTES', block_bytes)
+    q, k, v = operands(heads=4, keys=11)
+    bias = torch.randn(shape, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    assert left_to_torch(SDPACall.bind((q, k, v, bias), {})) is None
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+    out = ours(q, k, v, attn_mask=bias)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+    mine = torch.autograd.grad(out, (q, k, v, bias), grad)
+    decoded = [unpack_heads(pack_heads(x, quant), x.shape[1]).requires_grad_()
+               for x, quant in zip((q, k, v), quantizers())]
+    theirs = torch.autograd.grad(F.scaled_dot_product_attention(*decoded, attn_mask=bias),
+                                 (*decoded, bias), grad)
+    for a, b in zip(mine, theirs):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_left_to_torch_reasons():

@@ -214,7 +214,7 @@ class MesaAttentionFunction(torch.autograd.Function):
             q, k, v = (unpack_heads(p, heads) for p in packed)
         else:
             q, k, v = unpack_qkv(packed[0], heads, q_scale)
-        grad_q, grad_k, grad_v, grad_table = recompute_gradients(
+        grad_q, grad_k, grad_v, grad_table, _ = recompute_gradients(
             q, k, v, grad_out, ctx.needs_input_grad[:4], score_scale=score_scale, table=table,
             index=index, mask=CompactMask(bits, low, high, full).restore(),
             keep=keep.unpack() if keep is not None else None, dropout_p=dropout_p,
@@ -232,7 +232,7 @@ def recompute_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         index: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                         causal: bool = False, empty_rows: bool = False,
                         keep: torch.Tensor | None = None, dropout_p: float = 0.0,
-                        grad_map: torch.Tensor | None = None
+                        grad_map: torch.Tensor | None = None, need_mask: bool = False
                         ) -> tuple[torch.Tensor | None, ...]:
     """The fp32 gradients of ``(softmax(q @ k^T [* score_scale] [+ bias] [+ mask] [causal])
     [dropout]) @ v`` for q, k, v and the bias table, each map recomputed by blocks of rows
@@ -251,9 +251,12 @@ def recompute_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             instead of the NaNs of a softmax of nothing.
         keep, dropout_p: the dropout keep mask of the map and its rate.
         grad_map: the map's gradient, where the map was returned.
+        need_mask: whether the additive mask needs a gradient (a learned bias passed as the
+            mask): the scores' gradient, summed over the mask's size-1 dimensions.
 
     Returns:
-        ``(grad_q, grad_k, grad_v, grad_table)``, None where not needed.
+        ``(grad_q, grad_k, grad_v, grad_table, grad_mask)``, None where not needed;
+        ``grad_mask`` in the mask's 4-d shape.
     """
     batch, heads, queries, _ = q.shape
     keys = k.shape[-2]
@@ -279,8 +282,11 @@ def recompute_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         index = index.view(queries, keys)
         if need_table:
             grad_table = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
+    grad_mask = None
     if mask is not None:
         mask = mask.float()
+        if need_mask:
+            grad_mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     g = cast(grad_out, torch.float32) if grad_out is not None else None
     if g is not None and whole:  # read by two matmuls, each of which would copy it
         g = g.contiguous()
@@ -343,6 +349,8 @@ def recompute_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if grad_table is not None:
             grad_table.index_add_(0, index[rows].reshape(-1),
                                   grad_scores.sum(0).permute(1, 2, 0).reshape(-1, heads))
+        if grad_mask is not None:
+            _add_mask_gradient(grad_mask, grad_scores, images, rows)
         if score_scale is not None:
             grad_scores.mul_(score_scale)
         if need_q:
@@ -351,4 +359,22 @@ def recompute_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             grad_k = put(grad_k, torch.matmul(grad_scores.transpose(-2, -1), q_rows),
                          images, None)
         del grad_scores
-    return grad_q, grad_k, grad_v, grad_table
+    return grad_q, grad_k, grad_v, grad_table, grad_mask
+
+
+def _add_mask_gradient(total: torch.Tensor, grad_scores: torch.Tensor, images: slice,
+                       rows: slice) -> None:
+    """Add one block's score gradient to the mask's: summed over the mask's size-1 heads,
+    rows and keys, and over the images that read the same mask (image ``b`` reads
+    ``b % total.shape[0]``)."""
+    part = grad_scores
+    for dim in (1, 3):
+        if total.shape[dim] == 1:
+            part = part.sum(dim, keepdim=True)
+    if total.shape[2] == 1:
+        part, target = part.sum(2, keepdim=True), total
+    else:
+        target = total[:, :, rows]
+    ids = torch.arange(images.start or 0, (images.start or 0) + part.shape[0],
+                       device=total.device) % total.shape[0]
+    target.index_add_(0, ids, part)

@@ -25,7 +25,9 @@ Left to torch's own node (``left_to_torch`` gives the reason, ``MesaFunctional``
 
 - ``dropout_p > 0``: SDPA draws its dropout mask inside the kernel and returns neither the mask
   nor the generator state it used, so backward could not apply the same mask;
-- a mask that requires grad (a learned bias): the Function treats the mask as a constant;
+- a mask that requires grad and is an expanded view (stride 0 where its size is above 1): its
+  gradient would be one map per copy (a learned bias of broadcast shape is taken: its gradient
+  is the scores' gradient summed over the broadcast dimensions);
 - operands that are not ``(B, H, N, d)`` tensors of one batch size, or nested tensors.
 """
 from __future__ import annotations
@@ -91,8 +93,10 @@ def left_to_torch(call: SDPACall) -> str | None:
         return ('dropout_p > 0: SDPA returns neither its dropout mask nor the generator state, '
                 'so backward cannot reproduce the mask')
     mask = call.attn_mask
-    if mask is not None and mask.requires_grad:
-        return 'attn_mask requires grad: the recomputation treats the mask as a constant'
+    if mask is not None and mask.requires_grad and any(
+            stride == 0 and size > 1 for stride, size in zip(mask.stride(), mask.shape)):
+        return ('attn_mask requires grad and is an expanded view: its gradient would be one '
+                'map per expanded copy')
     operands = call.operands()
     if any(t.is_nested for t in operands):
         return 'nested tensors'
@@ -145,8 +149,9 @@ class MesaSDPAFunction(torch.autograd.Function):
     Args (of ``apply``):
         q, k, v: ``(B, H, N, d)``, ``(B, Hkv, M, d)``, ``(B, Hkv, M, dv)``; ``Hkv`` divides
             ``H`` with ``enable_gqa``, else equals it.
-        mask: a boolean or additive mask broadcastable to ``(B, H, N, M)`` that requires no
-            gradient, or None.
+        mask: a boolean or additive mask broadcastable to ``(B, H, N, M)``, or None. An
+            additive one may need a gradient (a learned position bias: timm's TinyViT, MaxViT,
+            CoAtNet): the scores' gradient, summed over its broadcast dimensions.
         is_causal, scale, enable_gqa: as torch's.
         quantizers: an ``ActivationQuantizer`` for each of q, k and v, or None to keep that
             operand as it is (a Parameter: kept anyway).
@@ -164,6 +169,8 @@ class MesaSDPAFunction(torch.autograd.Function):
         ctx.meta = (q.dtype, k.dtype, v.dtype, q.shape[1], k.shape[1], is_causal,
                     scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
         ctx.kept = tuple(quant is None for quant in quantizers)
+        ctx.mask_shape = mask.shape if mask is not None else None
+        ctx.mask_dtype = mask.dtype if mask is not None else None
         saved = [x.detach() if quant is None else pack_heads(x, quant)
                  for x, quant in zip((q, k, v), quantizers)]
         compact = compact_mask(mask) if mask is not None else CompactMask(None, None, None, None)
@@ -184,16 +191,19 @@ class MesaSDPAFunction(torch.autograd.Function):
             k, v = k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1)
         mask = CompactMask(bits, low, high, full).restore()
         empty_rows = mask is not None and bool((mask == float('-inf')).all(-1).any())
-        grad_q, grad_k, grad_v, _ = recompute_gradients(
+        grad_q, grad_k, grad_v, _, grad_mask = recompute_gradients(
             q, k, v, grad_out, (*ctx.needs_input_grad[:3], False), score_scale=score_scale,
-            mask=mask, causal=is_causal, empty_rows=empty_rows)
+            mask=mask, causal=is_causal, empty_rows=empty_rows,
+            need_mask=ctx.needs_input_grad[3])
+        if grad_mask is not None:
+            grad_mask = cast(grad_mask.reshape(ctx.mask_shape), ctx.mask_dtype)
         if repeats > 1:
             grad_k, grad_v = (None if g is None else g.unflatten(1, (kv_heads, repeats)).sum(2)
                               for g in (grad_k, grad_v))
         return (cast(grad_q, q_dtype) if grad_q is not None else None,
                 cast(grad_k, k_dtype) if grad_k is not None else None,
                 cast(grad_v, v_dtype) if grad_v is not None else None,
-                None, None, None, None, None)
+                grad_mask, None, None, None, None)
 
 
 def mesa_sdpa(call: SDPACall, quantizers: tuple[ActivationQuantizer | None, ...]
