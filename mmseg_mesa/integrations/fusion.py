@@ -16,6 +16,7 @@ from ..config import MesaConfig
 from ..layers.base import MesaModule, make_quantizer
 from ..layers.conv import MesaConv2d
 from ..layers.level_fusion import FusionSpec, LevelFusionConvFunction, Upsample
+from ..layers.ownership import sole_reference
 from ..quantizer import ActivationQuantizer
 
 
@@ -98,16 +99,19 @@ def fused_conv_module(module: ConvModule, quantizers: list[ActivationQuantizer],
                       levels: list[torch.Tensor | None], upsample: Upsample) -> torch.Tensor:
     """``module(torch.cat([levels[0], *map(upsample, levels[1:])], dim=1))`` with the
     concatenation built a block of samples at a time (``LevelFusionConvFunction``); ``levels``
-    is emptied (the caller's references would keep every level to the end)."""
+    is emptied (the caller's references would keep every level to the end), and the output
+    takes level 0's storage where nothing else refers to it."""
     conv = module.conv
     # the conv's output goes straight into a Mesa norm (its next step), whose backward returns
     # a gradient of its own making: backward may reuse that gradient's storage
     owns_grad = (len(module.order) > 1 and module.order[1] == 'norm' and module.with_norm
                  and isinstance(module.norm, MesaModule))
-    spec = FusionSpec(upsample, (conv.stride, conv.padding, conv.dilation, conv.groups),
-                      quantizers, owns_grad)
     pieces = list(levels)
     levels.clear()
+    # the output may overwrite level 0 where nothing else can read it (a ReLU's output, which
+    # its ReLU keeps as a bit mask)
+    spec = FusionSpec(upsample, (conv.stride, conv.padding, conv.dilation, conv.groups),
+                      quantizers, owns_grad, output_into_first=sole_reference(pieces, 0))
     out = [LevelFusionConvFunction.apply(spec, conv.weight, conv.bias, *pieces)]
     del pieces  # not alive through the norm
     return conv_module_steps(module, out, module.order[1:])
