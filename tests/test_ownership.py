@@ -1,4 +1,5 @@
-"""Results written into storage nothing else reads again: a forward output into its input's."""
+"""Results written into storage nothing else reads again: a forward output into its input's, a
+backward's input gradient into its incoming gradient."""
 import copy
 import dataclasses
 import functools
@@ -13,7 +14,7 @@ from torch import nn
 from mmseg_mesa import MesaConfig, convert_to_mesa
 from mmseg_mesa.layers import chunking, level_fusion
 from mmseg_mesa.layers.base import make_quantizer
-from mmseg_mesa.layers.ownership import sole_reference
+from mmseg_mesa.layers.ownership import owned_gradients, sole_reference
 from mmseg_mesa.quantizer import reset_rounding_generators
 
 
@@ -152,3 +153,164 @@ def test_fused_bottleneck_overwrites_the_fpn_output_only_where_nobody_keeps_it(s
     for x, y in zip(xs, inputs):
         assert F.cosine_similarity(x.grad.flatten(), y.grad.flatten(), dim=0) > 0.99
 
+
+class Probe(torch.autograd.Function):
+    """Doubles its input; records which gradients its backward was handed as its own."""
+
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    @owned_gradients
+    def backward(ctx, grad):
+        Probe.seen.append(ctx.owned_grads[0])
+        return grad * 2
+
+
+def owned_in(run):
+    Probe.seen.clear()
+    run()
+    (owned,) = Probe.seen
+    return owned
+
+
+def test_owned_gradients_sees_every_other_holder():
+    x = torch.randn(4, requires_grad=True)
+    assert owned_in(lambda: (Probe.apply(x) * 3).sum().backward())  # MulBackward's own
+    kept = []
+
+    def keeping():
+        y = Probe.apply(x)
+        y.register_hook(kept.append)
+        (y * 3).sum().backward()
+
+    assert not owned_in(keeping)  # a tensor hook kept it
+
+    def looking():
+        y = Probe.apply(x)
+        y.register_hook(lambda g: None)
+        (y * 3).sum().backward()
+
+    assert owned_in(looking)
+    # an addition hands one gradient to both branches; the engine runs the later-made branch
+    # first, so the other one reads it afterwards only where it was made first
+    assert owned_in(lambda: (Probe.apply(x) + x * 3).mul(5).sum().backward())
+
+    def other_branch_later():
+        earlier = x * 3
+        (Probe.apply(x) + earlier).mul(5).sum().backward()
+
+    assert not owned_in(other_branch_later)
+    given = torch.ones(4)
+    assert not owned_in(lambda: Probe.apply(x).backward(given))  # the caller's
+
+
+def keeping(record):
+    """A tensor hook that keeps the gradient and a copy of its values."""
+    return lambda g: record.append((g, g.clone()))
+
+
+def grad_addresses(t, record):
+    """Record the address of ``t``'s gradient, keeping no reference to it."""
+    t.register_hook(lambda g: record.append(g.data_ptr()))
+
+
+@pytest.mark.parametrize('keep', [False, True])
+def test_relu_backward_writes_into_an_owned_gradient(keep):
+    torch.manual_seed(0)
+    leaf = torch.randn(2, 3, 4, 4, requires_grad=True)
+    relu = nn.ModuleList([nn.ReLU(inplace=True)])
+    convert_to_mesa(relu, config=MesaConfig())
+    x = leaf * 1
+    into, out_of, kept = [], [], []
+    grad_addresses(x, out_of)
+    y = relu[0](x)
+    if keep:
+        y.register_hook(keeping(kept))
+    else:
+        grad_addresses(y, into)
+    upstream = torch.randn_like(y)
+    (y * upstream).sum().backward()
+    want = torch.where(leaf > 0, upstream, 0)
+    assert torch.equal(leaf.grad, want)
+    if keep:
+        (g, values), = kept
+        assert out_of != [g.data_ptr()] and torch.equal(g, values)
+    else:
+        assert into == out_of
+
+
+@pytest.fixture
+def chunked_batch_norm(monkeypatch):
+    """BatchNorm backward by chunks of one sample and off torch's fused kernels, at test sizes."""
+    from mmseg_mesa.layers import norm_backward
+    monkeypatch.setattr(chunking, 'DECODE_CHUNK_BYTES', 4096)
+    monkeypatch.setattr(norm_backward, 'FUSED_BACKWARD_BYTES', 1024)
+
+
+def test_batch_norm_backward_writes_into_an_owned_gradient(chunked_batch_norm):
+    """BatchNorm then an in-place ReLU (a ConvModule's norm and act): the ReLU's gradient is
+    BatchNorm's own, which writes its input gradient into it: the gradients of the whole-tensor
+    backward up to float order, torch's up to the codes' error. A hook that keeps the gradient
+    keeps its values."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.BatchNorm2d(8), nn.ReLU(inplace=True)).train()
+    model = copy.deepcopy(reference)
+    convert_to_mesa(nn.ModuleList([model]), config=MesaConfig())
+    x0 = torch.randn(4, 8, 16, 16) * 3 + 1
+    upstream = torch.randn(4, 8, 16, 16)
+    runs = []
+    for owned in (True, False):
+        leaf = x0.clone().requires_grad_()
+        x = leaf * 1
+        into, out_of, kept = [], [], []
+        grad_addresses(x, out_of)
+        y = model[0](x)
+        if owned:
+            grad_addresses(y, into)
+        else:
+            y.register_hook(keeping(kept))
+        (model[1](y) * upstream).sum().backward()
+        if owned:
+            assert into == out_of
+        else:
+            (g, values), = kept
+            assert out_of != [g.data_ptr()] and torch.equal(g, values)
+        runs.append([leaf.grad, *(p.grad.clone() for p in model.parameters())])
+        model.zero_grad()
+    leaf = x0.clone().requires_grad_()
+    (reference(leaf) * upstream).sum().backward()
+    exact = [leaf.grad, *(p.grad for p in reference.parameters())]
+    for owned, whole, want in zip(*runs, exact):
+        torch.testing.assert_close(owned, whole, rtol=1e-5, atol=1e-5)
+        assert F.cosine_similarity(owned.flatten(), want.flatten(), dim=0) > 0.999
+
+
+@pytest.mark.parametrize('keep', [False, True])
+def test_feature_dropout_is_torchs_and_writes_into_an_owned_gradient(keep):
+    """``FeatureDropoutFunction``: ``F.dropout2d``'s output and gradient bit for bit; the input
+    gradient overwrites the incoming one unless a hook keeps that."""
+    from mmseg_mesa.layers.dropout import FeatureDropoutFunction
+    leaf = torch.randn(3, 5, 6, 6, requires_grad=True)
+    upstream = torch.randn(3, 5, 6, 6)
+    torch.manual_seed(2)
+    want = F.dropout2d(leaf * 1, 0.3, training=True)
+    (want * upstream).sum().backward()
+    expected, leaf.grad = leaf.grad, None
+    x = leaf * 1
+    into, out_of, kept = [], [], []
+    grad_addresses(x, out_of)
+    torch.manual_seed(2)
+    got = FeatureDropoutFunction.apply(x, 0.3)
+    assert torch.equal(got, want)
+    got.register_hook(keeping(kept) if keep else lambda g: into.append(g.data_ptr()))
+    (got * upstream).sum().backward()
+    assert torch.equal(leaf.grad, expected)
+    if keep:
+        (g, values), = kept
+        assert out_of != [g.data_ptr()] and torch.equal(g, values)
+    else:
+        assert into == out_of

@@ -15,6 +15,7 @@ from torch import nn
 from ..config import MesaConfig
 from ..layers.base import MesaModule, make_quantizer
 from ..layers.conv import MesaConv2d
+from ..layers.dropout import FeatureDropoutFunction
 from ..layers.level_fusion import FusionSpec, LevelFusionConvFunction, Upsample
 from ..layers.ownership import sole_reference
 from ..quantizer import ActivationQuantizer
@@ -56,11 +57,23 @@ def conv_module_steps(module: ConvModule, holder: list[torch.Tensor], steps: tup
 def classified(head: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:
     """``head.cls_seg(holder.pop())`` (mmseg's ``BaseDecodeHead.cls_seg`` steps: dropout, then
     ``conv_seg``) with no reference to the features left once the dropout has run: mmseg's
-    ``forward`` holds them through the whole classifier."""
+    ``forward`` holds them through the whole classifier. A plain ``nn.Dropout2d`` runs as
+    ``FeatureDropoutFunction`` (the same output), whose backward can reuse the gradient that
+    ``conv_seg``'s backward makes."""
     x = holder.pop()
-    if head.dropout is not None:
+    if plain_feature_dropout(head.dropout, x):
+        x = FeatureDropoutFunction.apply(x, head.dropout.p)
+    elif head.dropout is not None:
         x = head.dropout(x)
     return head.conv_seg(x)
+
+
+def plain_feature_dropout(module: nn.Module | None, x: torch.Tensor) -> bool:
+    """An ``nn.Dropout2d`` (no subclass, no hooks) that drops channels of the 4-d ``x`` now."""
+    return (type(module) is nn.Dropout2d and module.training and not module.inplace
+            and 0.0 < module.p < 1.0 and x.dim() == 4 and x.numel() > 0
+            and not (module._forward_pre_hooks or module._forward_hooks
+                     or module._backward_pre_hooks or module._backward_hooks))
 
 
 def releasing_input(module: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:

@@ -9,7 +9,9 @@ tensor, or a layer that saves its output for backward, turns the reuse off on it
 """
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,3 +48,55 @@ def sole_reference(holder: list[Any], index: int) -> bool:
         return False
     return _storage_use_count(holder[index].untyped_storage()._cdata) == 2
 
+
+def owned_gradients(backward: Callable) -> Callable:
+    """Decorates an autograd Function's backward (outermost): ``ctx.owned_grads`` says, per
+    incoming gradient, whether nothing else holds it (``sole_gradient``), so that backward may
+    write its result into it."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        ctx.owned_grads = tuple(sole_gradient(grads, i) for i in range(len(grads)))
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
+def sole_gradient(grads: tuple, index: int) -> bool:
+    """Whether ``grads[index]``, a gradient as autograd hands it to a backward decorated with
+    ``owned_gradients``, is held by nothing else: no other node's input buffer (the engine passes
+    one gradient to every input of an addition), no tensor hook that kept it, no view or alias.
+
+    C++ holders count in the tensor's use count; Python holders in its references, against what
+    a gradient nothing else holds has there (``_sole_gradient_references``).
+    """
+    g = grads[index]
+    if (not isinstance(g, torch.Tensor) or _storage_use_count is None
+            or not hasattr(g, '_use_count') or g._is_view() or g._use_count() != 1):
+        return False
+    if _storage_use_count(g.untyped_storage()._cdata) != 2:
+        return False
+    del g
+    return _references(grads, index) == _sole_gradient_references()
+
+
+@functools.cache
+def _sole_gradient_references() -> int:
+    """``_references`` of a fresh gradient in a backward called as ``owned_gradients`` calls it
+    (the engine's and the call's own tuples hold it): measured once on a probe."""
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:
+            seen.append(_references(grads, 0))
+            return grads[0]
+
+    x = torch.zeros(1, requires_grad=True)
+    with torch.enable_grad():
+        torch.autograd.grad((Probe.apply(x) * 2).sum(), x)
+    return seen[0]
