@@ -223,12 +223,14 @@ def laid_out_as(t: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
 
 
 def fused_codes(ctx: Any, spec: FusionSpec, levels: Sequence[torch.Tensor], shape: torch.Size,
-                dtype: torch.dtype) -> FusedCodes | None:
-    """The levels' codes, where the weight's gradient needs them."""
+                dtype: torch.dtype, first: Packed | None = None) -> FusedCodes | None:
+    """The levels' codes, where the weight's gradient needs them; level 0's are ``first``
+    where given (packed before level 0 was overwritten)."""
     if not ctx.needs_input_grad[1]:
         return None
-    return FusedCodes([q.pack(t) for q, t in zip(spec.quantizers, levels)], shape, dtype,
-                      spec.upsample)
+    parts = [first if i == 0 and first is not None else q.pack(t)
+             for i, (q, t) in enumerate(zip(spec.quantizers, levels))]
+    return FusedCodes(parts, shape, dtype, spec.upsample)
 
 
 class LevelFusionConvFunction(torch.autograd.Function):
@@ -244,8 +246,10 @@ class LevelFusionConvFunction(torch.autograd.Function):
         ctx.level_meta = [(t.shape, t.dtype) for t in levels]
         ctx.blocks = blocks
         overwrite = spec.output_into_first and len(blocks) > 1
-        # the codes before level 0 may be overwritten, else once the concatenation is gone
-        codes = fused_codes(ctx, spec, levels, shape, dtype) if overwrite else None
+        # level 0's codes before it may be overwritten, the others' once the concatenation is
+        # gone (the same codes: quantizers pack in level order either way)
+        first = spec.quantizers[0].pack(levels[0]) if overwrite and ctx.needs_input_grad[1] \
+            else None
         out = wc = bc = None
         for rows in blocks:
             x = concatenated(levels, spec.upsample, rows, shape, dtype)
@@ -274,8 +278,7 @@ class LevelFusionConvFunction(torch.autograd.Function):
             out[rows] = y
             del y
         ctx.input_dtype = dtype
-        if not overwrite:
-            codes = fused_codes(ctx, spec, levels, shape, dtype)
+        codes = fused_codes(ctx, spec, levels, shape, dtype, first)
         save(ctx, codes, weight)
         ctx.upsample = spec.upsample
         ctx.owns_output_grad = spec.owns_output_grad
