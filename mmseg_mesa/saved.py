@@ -48,6 +48,11 @@ class PackedMask:
         broadcasting against it)."""
         return _mask_backend(values).mask_select(values, self.data, self.shape)
 
+    def select_(self, values: torch.Tensor) -> torch.Tensor:
+        """``select`` written into ``values`` (shaped like the mask): one bool per element
+        besides it, where ``select`` makes a second tensor of ``values``' size."""
+        return torch.where(self.unpack(), values, values.new_zeros(()), out=values)
+
 
 Saveable = torch.Tensor | Codes | PackedMask | None
 

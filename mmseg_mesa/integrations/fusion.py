@@ -15,8 +15,10 @@ from torch import nn
 from ..config import MesaConfig
 from ..layers.base import MesaModule, make_quantizer
 from ..layers.conv import MesaConv2d
+from ..layers.dropout import FeatureDropoutFunction
 from ..layers.intercept import has_hooks, own_type
 from ..layers.level_fusion import FusionSpec, LevelFusionConvFunction, Upsample
+from ..layers.ownership import sole_reference
 from ..quantizer import ActivationQuantizer
 
 
@@ -55,11 +57,22 @@ def conv_module_steps(module: ConvModule, holder: list[torch.Tensor], steps: tup
 def classified(head: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:
     """``head.cls_seg(holder.pop())`` (mmseg's ``BaseDecodeHead.cls_seg`` steps: dropout, then
     ``conv_seg``) with no reference to the features left once the dropout has run: mmseg's
-    ``forward`` holds them through the whole classifier."""
+    ``forward`` holds them through the whole classifier. A plain ``nn.Dropout2d`` runs as
+    ``FeatureDropoutFunction`` (the same output), whose backward can reuse the gradient that
+    ``conv_seg``'s backward makes."""
     x = holder.pop()
-    if head.dropout is not None:
+    if plain_feature_dropout(head.dropout, x):
+        x = FeatureDropoutFunction.apply(x, head.dropout.p)
+    elif head.dropout is not None:
         x = head.dropout(x)
     return head.conv_seg(x)
+
+
+def plain_feature_dropout(module: nn.Module | None, x: torch.Tensor) -> bool:
+    """An ``nn.Dropout2d`` (no subclass, no hooks) that drops channels of the 4-d ``x`` now."""
+    return (module is not None and own_type(module) is nn.Dropout2d and module.training
+            and not module.inplace and 0.0 < module.p < 1.0 and x.dim() == 4 and x.numel() > 0
+            and not has_hooks(module))
 
 
 def releasing_input(module: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:
@@ -98,16 +111,19 @@ def fused_conv_module(module: ConvModule, quantizers: list[ActivationQuantizer],
                       levels: list[torch.Tensor | None], upsample: Upsample) -> torch.Tensor:
     """``module(torch.cat([levels[0], *map(upsample, levels[1:])], dim=1))`` with the
     concatenation built a block of samples at a time (``LevelFusionConvFunction``); ``levels``
-    is emptied (the caller's references would keep every level to the end)."""
+    is emptied (the caller's references would keep every level to the end), and the output
+    takes level 0's storage where nothing else refers to it."""
     conv = module.conv
     # the conv's output goes straight into a Mesa norm (its next step), whose backward returns
     # a gradient of its own making: backward may reuse that gradient's storage
     owns_grad = (len(module.order) > 1 and module.order[1] == 'norm' and module.with_norm
                  and isinstance(module.norm, MesaModule))
-    spec = FusionSpec(upsample, (conv.stride, conv.padding, conv.dilation, conv.groups),
-                      quantizers, owns_grad)
     pieces = list(levels)
     levels.clear()
+    # the output may overwrite level 0 where nothing else can read it (a ReLU's output, which
+    # its ReLU keeps as a bit mask)
+    spec = FusionSpec(upsample, (conv.stride, conv.padding, conv.dilation, conv.groups),
+                      quantizers, owns_grad, output_into_first=sole_reference(pieces, 0))
     out = [LevelFusionConvFunction.apply(spec, conv.weight, conv.bias, *pieces)]
     del pieces  # not alive through the norm
     return conv_module_steps(module, out, module.order[1:])

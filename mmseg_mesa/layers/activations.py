@@ -39,6 +39,7 @@ from .autocast import (
 )
 from .base import MesaModule
 from .formulas import sum_to
+from .ownership import owned_gradients
 
 
 class MesaGELUFunction(torch.autograd.Function):
@@ -81,7 +82,8 @@ class MesaGELU(MesaModule, nn.GELU):
 
 
 class MesaReLUFunction(torch.autograd.Function):
-    """ReLU keeping only ``output > 0`` as one bit per element; supports in-place."""
+    """ReLU keeping only ``output > 0`` as one bit per element; supports in-place. Its backward
+    writes into the incoming gradient where nothing else holds it."""
 
     @staticmethod
     @returns_owned
@@ -95,8 +97,11 @@ class MesaReLUFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @owned_gradients
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (mask,) = load(ctx)
+        if ctx.owned_grads[0] and grad.shape == mask.shape:
+            return mask.select_(grad), None
         return mask.select(grad), None
 
 

@@ -1,4 +1,5 @@
-"""Dropout and DropPath saving 1-bit keep masks."""
+"""Dropout and DropPath saving 1-bit keep masks, and a decode head's Dropout2d whose backward
+reuses its incoming gradient."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,6 +12,7 @@ from ..registry import mesa_layer
 from ..saved import PackedMask, load, save
 from .autocast import returns_owned
 from .base import MesaModule
+from .ownership import owned_gradients
 
 
 def dropout_with_mask(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +43,28 @@ class MesaDropoutFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (mask,) = load(ctx)
         return grad * (mask.unpack().to(grad.dtype) / (1 - ctx.p)), None
+
+
+class FeatureDropoutFunction(torch.autograd.Function):
+    """``F.dropout2d(x, p, training=True)`` of a 4-d ``x`` (0 < p < 1): torch's draws (one
+    ``bernoulli_`` per sample and channel, scaled) and output bit for bit. It saves that noise,
+    as torch's product does; backward writes the input gradient into the incoming one where
+    nothing else holds it, where torch's makes a second tensor of the features' size."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, p: float) -> torch.Tensor:
+        noise = x.new_empty((*x.shape[:2], 1, 1)).bernoulli_(1 - p).div_(1 - p)
+        ctx.save_for_backward(noise)
+        return x * noise
+
+    @staticmethod
+    @owned_gradients
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (noise,) = ctx.saved_tensors
+        if ctx.owned_grads[0] and grad.dtype == noise.dtype:
+            return grad.mul_(noise), None
+        return grad * noise, None
 
 
 def inplace_or_no_mask_reason(module: nn.Dropout) -> str | None:

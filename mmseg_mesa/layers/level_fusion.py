@@ -136,12 +136,16 @@ class FusionSpec:
     ``owns_output_grad``: the caller vouches that the output's gradient reaches backward as a
     tensor nothing else reads (the output's one reader is a norm whose backward returns a fresh
     gradient); backward then writes level 0's gradient into it when their shapes agree, and the
-    two never exist at once."""
+    two never exist at once. ``output_into_first``: the caller vouches that nothing reads
+    level 0 after this op (``ownership.sole_reference``); where the batch is convolved a block
+    at a time and the output has level 0's dtype, shape and strides, each block of the output
+    overwrites level 0's rows once they are read, and the two never exist at once."""
 
     upsample: Upsample
     conv_args: tuple
     quantizers: Sequence[ActivationQuantizer]
     owns_output_grad: bool = False
+    output_into_first: bool = False
 
 
 def fusion_blocks(levels: Sequence[torch.Tensor], weight: torch.Tensor, conv_args: tuple
@@ -208,6 +212,27 @@ def concatenated(levels: Sequence[torch.Tensor], upsample: Upsample, rows: slice
     return out.contiguous(memory_format=torch.channels_last) if all_channels_last else out
 
 
+def laid_out_as(t: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                memory_format: torch.memory_format) -> bool:
+    """Whether ``t`` has the shape and dtype of ``torch.empty(shape, dtype=dtype,
+    memory_format=memory_format)`` and is dense in that layout, so that results written into
+    it are laid out as in a new tensor. (Not by comparing with an empty tensor on the meta
+    device: memory trackers count its bytes.)"""
+    return (t.shape == shape and t.dtype == dtype and t.storage_offset() == 0
+            and t.is_contiguous(memory_format=memory_format))
+
+
+def fused_codes(ctx: Any, spec: FusionSpec, levels: Sequence[torch.Tensor], shape: torch.Size,
+                dtype: torch.dtype, first: Packed | None = None) -> FusedCodes | None:
+    """The levels' codes, where the weight's gradient needs them; level 0's are ``first``
+    where given (packed before level 0 was overwritten)."""
+    if not ctx.needs_input_grad[1]:
+        return None
+    parts = [first if i == 0 and first is not None else q.pack(t)
+             for i, (q, t) in enumerate(zip(spec.quantizers, levels))]
+    return FusedCodes(parts, shape, dtype, spec.upsample)
+
+
 class LevelFusionConvFunction(torch.autograd.Function):
     """``F.conv2d(cat([levels[0], *map(upsample, levels[1:])], 1), weight, bias, *conv_args)``,
     the concatenation built a block of samples at a time; saves each level's codes."""
@@ -220,6 +245,11 @@ class LevelFusionConvFunction(torch.autograd.Function):
         ctx.conv_args = spec.conv_args
         ctx.level_meta = [(t.shape, t.dtype) for t in levels]
         ctx.blocks = blocks
+        overwrite = spec.output_into_first and len(blocks) > 1
+        # level 0's codes before it may be overwritten, the others' once the concatenation is
+        # gone (the same codes: quantizers pack in level order either way)
+        first = spec.quantizers[0].pack(levels[0]) if overwrite and ctx.needs_input_grad[1] \
+            else None
         out = wc = bc = None
         for rows in blocks:
             x = concatenated(levels, spec.upsample, rows, shape, dtype)
@@ -236,15 +266,19 @@ class LevelFusionConvFunction(torch.autograd.Function):
                 break
             if out is None:
                 fmt = torch.channels_last if channels_last(y) else torch.contiguous_format
-                out = torch.empty((shape[0], *y.shape[1:]), dtype=y.dtype, device=y.device,
-                                  memory_format=fmt)
+                out_shape = torch.Size((shape[0], *y.shape[1:]))
+                if overwrite and laid_out_as(levels[0], out_shape, y.dtype, fmt):
+                    # level 0's rows of this block are read (copied into the concatenation);
+                    # later blocks read only their own rows
+                    out = levels[0]
+                    ctx.mark_dirty(out)
+                else:
+                    out = torch.empty(out_shape, dtype=y.dtype, device=y.device,
+                                      memory_format=fmt)
             out[rows] = y
             del y
         ctx.input_dtype = dtype
-        codes = None
-        if ctx.needs_input_grad[1]:
-            codes = FusedCodes([q.pack(t) for q, t in zip(spec.quantizers, levels)], shape,
-                               dtype, spec.upsample)
+        codes = fused_codes(ctx, spec, levels, shape, dtype, first)
         save(ctx, codes, weight)
         ctx.upsample = spec.upsample
         ctx.owns_output_grad = spec.owns_output_grad

@@ -19,6 +19,8 @@ from .autocast import cast, device_type, no_autocast_backward, record_input, ret
 from .base import MesaModule
 from .chunking import channel_dot
 from .norm_backward import NormSets, fits_fused, normalization_backward
+from .norm_backward_owned import batch_norm_backward_into
+from .ownership import owned_gradients
 
 # Moments torch's norms return that are kept as they are; half-precision ones (bf16 or fp16
 # parameters on CPU) are recomputed in fp32 from the input.
@@ -149,7 +151,9 @@ class MesaBatchNormFunction(torch.autograd.Function):
     pooled branch sees batch-size values) the spread of ``x`` within a channel can be far below
     a quantization step of ``x``'s range, which wrecked gradients. Backward re-standardizes the
     dequantized values, so the input gradient stays exactly orthogonal to per-channel constants
-    (a bias in front of BatchNorm keeps its analytically zero gradient).
+    (a bias in front of BatchNorm keeps its analytically zero gradient). Where nothing else holds
+    the incoming gradient, backward writes the input gradient into it
+    (``norm_backward_owned``).
     """
 
     @staticmethod
@@ -166,9 +170,17 @@ class MesaBatchNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @owned_gradients
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, invstd, weight, bias = load(ctx)
+        if (ctx.owned_grads[0] and grad.dtype == ctx.input_dtype == torch.float32
+                and not fits_fused(grad)):
+            # the input gradient overwrites the incoming one, decoded by chunks
+            grads = batch_norm_backward_into(grad, packed, invstd, ctx.eps, weight, bias,
+                                             ctx.needs_input_grad[:3])
+            if grads is not None:
+                return (*cast_grads(ctx, grads, weight, bias), None, None, None, None, None)
         x_norm = restandardized(unpack(packed, torch.float32), invstd, ctx.eps)
         grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight, bias,
                                        NormSets.channels(), ctx.needs_input_grad[:3])
