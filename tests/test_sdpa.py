@@ -275,6 +275,25 @@ def test_a_learned_bias_gets_the_exact_gradient_at_the_decoded_operands(shape, b
         assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_several_head_dimensions_are_taken_as_one():
+    """Hiera's mask-unit attention calls SDPA on (B, heads, windows, N, d): the forward is
+    torch's, the gradients torch's at the decoded operands."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 3, 9, 8, generator=gen).requires_grad_() for _ in range(3))
+    assert left_to_torch(SDPACall.bind((q, k, v), {})) is None
+    out = ours(q, k, v)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    grad = torch.randn(out.shape, generator=gen)
+    mine = torch.autograd.grad(out, (q, k, v), grad)
+    decoded = [unpack_heads(pack_heads(x.flatten(1, 2), quant), 6).reshape(x.shape)
+               .requires_grad_() for x, quant in zip((q, k, v), quantizers())]
+    theirs = torch.autograd.grad(F.scaled_dot_product_attention(*decoded), decoded, grad)
+    for a, b in zip(mine, theirs):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    mask = torch.ones(9, 9, dtype=torch.bool)
+    assert 'several head dimensions' in left_to_torch(SDPACall.bind((q, k, v, mask), {}))
+
+
 def test_left_to_torch_reasons():
     q, k, v = operands()
     assert left_to_torch(SDPACall.bind((q, k, v), {})) is None

@@ -100,8 +100,12 @@ def left_to_torch(call: SDPACall) -> str | None:
     operands = call.operands()
     if any(t.is_nested for t in operands):
         return 'nested tensors'
-    if any(t.dim() != 4 for t in operands) or len({t.shape[0] for t in operands}) != 1:
+    if any(t.dim() < 4 for t in operands) or len({t.shape[0] for t in operands}) != 1:
         return 'q, k and v are not (B, H, N, d) of one batch size'
+    if any(t.dim() > 4 for t in operands) and (
+            len({t.shape[:-2] for t in operands}) != 1 or mask is not None or call.enable_gqa):
+        return ('q, k and v with several head dimensions differ in them, or come with a mask '
+                'or grouped heads')
     if mask is not None and mask.dim() > 4:
         return 'attn_mask has more than 4 dimensions'
     return None
@@ -148,7 +152,8 @@ class MesaSDPAFunction(torch.autograd.Function):
 
     Args (of ``apply``):
         q, k, v: ``(B, H, N, d)``, ``(B, Hkv, M, d)``, ``(B, Hkv, M, dv)``; ``Hkv`` divides
-            ``H`` with ``enable_gqa``, else equals it.
+            ``H`` with ``enable_gqa``, else equals it. Several head dimensions of one shape
+            (``(B, H, W, N, d)``) are taken as one, without mask or grouped heads.
         mask: a boolean or additive mask broadcastable to ``(B, H, N, M)``, or None. An
             additive one may need a gradient (a learned position bias: timm's TinyViT, MaxViT,
             CoAtNet): the scores' gradient, summed over its broadcast dimensions.
@@ -166,6 +171,9 @@ class MesaSDPAFunction(torch.autograd.Function):
         record_input(ctx, q)
         ctx.set_materialize_grads(False)
         out = torch_sdpa(SDPACall(q, k, v, mask, 0.0, is_causal, scale, enable_gqa))
+        # several head dimensions (Hiera's (B, heads, windows, N, d)) are one for backward
+        ctx.shapes = tuple(x.shape for x in (q, k, v))
+        q, k, v = (x.flatten(1, -3) for x in (q, k, v))
         ctx.meta = (q.dtype, k.dtype, v.dtype, q.shape[1], k.shape[1], is_causal,
                     scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
         ctx.kept = tuple(quant is None for quant in quantizers)
@@ -192,14 +200,17 @@ class MesaSDPAFunction(torch.autograd.Function):
         mask = CompactMask(bits, low, high, full).restore()
         empty_rows = mask is not None and bool((mask == float('-inf')).all(-1).any())
         grad_q, grad_k, grad_v, _, grad_mask = recompute_gradients(
-            q, k, v, grad_out, (*ctx.needs_input_grad[:3], False), score_scale=score_scale,
-            mask=mask, causal=is_causal, empty_rows=empty_rows,
+            q, k, v, grad_out.flatten(1, -3), (*ctx.needs_input_grad[:3], False),
+            score_scale=score_scale, mask=mask, causal=is_causal, empty_rows=empty_rows,
             need_mask=ctx.needs_input_grad[3])
         if grad_mask is not None:
             grad_mask = cast(grad_mask.reshape(ctx.mask_shape), ctx.mask_dtype)
+
         if repeats > 1:
             grad_k, grad_v = (None if g is None else g.unflatten(1, (kv_heads, repeats)).sum(2)
                               for g in (grad_k, grad_v))
+        grad_q, grad_k, grad_v = (None if g is None else g.reshape(shape)
+                                  for g, shape in zip((grad_q, grad_k, grad_v), ctx.shapes))
         return (cast(grad_q, q_dtype) if grad_q is not None else None,
                 cast(grad_k, k_dtype) if grad_k is not None else None,
                 cast(grad_v, v_dtype) if grad_v is not None else None,
