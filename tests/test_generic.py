@@ -63,6 +63,8 @@ OPS = {
     'layer-norm-by-hand': lambda s, h: (h - h.mean(-1, keepdim=True)) / torch.sqrt(
         (h - h.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + 1e-6),
     'div': lambda s, h: h.div(h.norm(2, -1, keepdim=True) + 1),
+    'amax': lambda s, h: h.view(2, 4, 4, 32).amax(dim=1),
+    'amax-ties': lambda s, h: torch.amax(F.relu(h), dim=(1, 2), keepdim=True) * h,
     'sdpa': lambda s, h: F.scaled_dot_product_attention(
         *(h.reshape(2, 16, 4, 8).transpose(1, 2),) * 3),
 }

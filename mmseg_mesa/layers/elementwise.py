@@ -1,6 +1,6 @@
-"""Element-wise powers and quotients a module computes itself: MetaFormer's ``StarReLU``
-(``relu(x) ** 2``), hand-written layer norms (``(x - u) / sqrt(s + eps)``), linear attention's
-normalizer.
+"""Element-wise powers and quotients and max-reductions a module computes itself: MetaFormer's
+``StarReLU`` (``relu(x) ** 2``), hand-written layer norms (``(x - u) / sqrt(s + eps)``), Hiera's
+token pooling (``x.amax(dim)``).
 
 Torch keeps the base of a power and both sides of a quotient at full precision. These Functions
 compute the op with torch's own call, so the forward is torch's to the bit, and keep the base, or
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..quantizer import ActivationQuantizer, unpack
-from ..saved import load, save
+from ..saved import PackedMask, load, save
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
 from .formulas import sum_to
 
@@ -77,3 +77,34 @@ class MesaDivFunction(torch.autograd.Function):
                 unpack(saved_a, torch.float32)
             grad_b = sum_to(-g * a / (bf * bf), *b_meta)
         return grad_a, grad_b, None, None
+
+
+class MesaAmaxFunction(torch.autograd.Function):
+    """``x.amax(dims, keepdim)`` keeping where ``x`` equals its maximum, 1 bit per element:
+    backward spreads the gradient evenly over the ties, as torch's does, so it is exact."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, dims: tuple[int, ...], keepdim: bool,
+                op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.dims = tuple(sorted(d % x.dim() for d in dims))
+        ctx.keepdim = keepdim
+        y = op(x)
+        kept = y if keepdim else _unsqueezed(y, ctx.dims)
+        save(ctx, PackedMask.of(x == kept))
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (mask,) = load(ctx)
+        if not ctx.keepdim:
+            grad = _unsqueezed(grad, ctx.dims)
+        hits = mask.unpack()
+        count = hits.sum(ctx.dims, keepdim=True)
+        return mask.select(grad / count), None, None, None
+
+
+def _unsqueezed(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    for d in dims:
+        t = t.unsqueeze(d)
+    return t

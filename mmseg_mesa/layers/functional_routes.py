@@ -23,7 +23,7 @@ from .activations import (
     MesaReLUFunction,
     MesaSmoothFunction,
 )
-from .elementwise import MesaDivFunction, MesaPowFunction
+from .elementwise import MesaAmaxFunction, MesaDivFunction, MesaPowFunction
 from .group_norm import MesaGroupNormFunction
 from .norm import MesaBatchNormFunction, MesaLayerNormFunction
 from .vector_norm import MesaNormalizeFunction, MesaVectorNormFunction
@@ -218,6 +218,21 @@ def _div(func: Any) -> Route:
     return route
 
 
+def _amax(func: Any) -> Route:
+    """``x.amax(dim, keepdim)``: a bit per element for where the maxima are."""
+    def route(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        b = _bind(('input', 'dim', 'keepdim'), dict(dim=(), keepdim=False), args, kwargs)
+        if b is None or not (_activation(b['input']) and _needs_grad(b['input'])):
+            return None
+        dims = (b['dim'],) if isinstance(b['dim'], int) else tuple(b['dim'])
+        if not dims or site('pooling', {}) is None:  # the whole tensor's maximum: a scalar
+            return None
+        keepdim = bool(b['keepdim'])
+        return MesaAmaxFunction.apply(b['input'], dims, keepdim,
+                                      lambda t: func(t, dims, keepdim))
+    return route
+
+
 ROUTES: dict[Any, Route] = {
     F.gelu: _gelu, torch._C._nn.gelu: _gelu,
     F.silu: _smooth('silu', F.silu, True),
@@ -234,6 +249,7 @@ ROUTES: dict[Any, Route] = {
     torch.Tensor.norm: _vector_norm(torch.Tensor.norm),
     torch.linalg.vector_norm: _vector_norm(torch.linalg.vector_norm),
     **{f: _pow(f) for f in (torch.pow, torch.Tensor.pow, torch.Tensor.__pow__)},
+    **{f: _amax(f) for f in (torch.amax, torch.Tensor.amax)},
     **{f: _div(f) for f in (torch.div, torch.Tensor.div, torch.Tensor.__truediv__,
                             torch.true_divide, torch.Tensor.true_divide)},
 }
