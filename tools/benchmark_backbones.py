@@ -223,15 +223,9 @@ HEADER = sweep.header(['backbone (size)', 'arch'], EXTRA)
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--size', type=int, default=128)
-    parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--backbones', nargs='+', default=None,
                         help='backbones to run (default: all; timm ones as timm/<model>)')
-    parser.add_argument('--jobs', type=int, default=1, help='backbones measured at once')
-    parser.add_argument('--timeout', type=float, default=900, help='seconds per backbone')
-    parser.add_argument('--json', default=None, help='write the rows as JSON here')
-    parser.add_argument('--markdown', default=None, help='write the table as Markdown here')
-    parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
+    sweep.add_sweep_arguments(parser, 'backbones')
     args = parser.parse_args(argv)
     if args.one:
         sys.exit(sweep.one(lambda: backbone_upernet(args.one, args.size, args.batch), args.size,

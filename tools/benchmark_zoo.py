@@ -139,15 +139,9 @@ HEADER = sweep.header(['family', 'config'])
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--size', type=int, default=128)
-    parser.add_argument('--batch', type=int, default=2)
     parser.add_argument('--families', nargs='+', default=None,
                         help='families to run (default: every one in mmseg\'s configs/)')
-    parser.add_argument('--jobs', type=int, default=1, help='configs measured at once')
-    parser.add_argument('--timeout', type=float, default=900, help='seconds per config')
-    parser.add_argument('--json', default=None, help='write the rows as JSON here')
-    parser.add_argument('--markdown', default=None, help='write the table as Markdown here')
-    parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
+    sweep.add_sweep_arguments(parser, 'configs')
     args = parser.parse_args(argv)
     if args.one:
         sys.exit(sweep.one(lambda: zoo_config(args.one, args.size), args.size, args.batch,

@@ -13,6 +13,7 @@ and the calls the conversion's generic path left to torch in that step.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -179,3 +180,15 @@ def format_row(labels: Sequence[str], row: dict, extra: Sequence[str] = ()) -> s
              f"{row['relative_error']:.4f} ({row['relative_error'] / row['minibatch_noise']:.3f}"
              ' of noise)', f"{row['worst_cosine']:.4f}", *extra]
     return f"| {' | '.join(labels)} | {' | '.join(cells)} |"
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser, things: str) -> None:
+    """The options both sweep tools take besides the list of what they run (``things``: what
+    one row measures, for the help)."""
+    parser.add_argument('--size', type=int, default=128)
+    parser.add_argument('--batch', type=int, default=2)
+    parser.add_argument('--jobs', type=int, default=1, help=f'{things} measured at once')
+    parser.add_argument('--timeout', type=float, default=900, help=f'seconds per {things[:-1]}')
+    parser.add_argument('--json', default=None, help='write the rows as JSON here')
+    parser.add_argument('--markdown', default=None, help='write the table as Markdown here')
+    parser.add_argument('--one', default=None, help=argparse.SUPPRESS)

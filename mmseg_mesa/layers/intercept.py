@@ -83,20 +83,32 @@ class MesaMulFunction(torch.autograd.Function):
         ctx.a_meta = (a.shape, a.dtype)
         ctx.b_meta = (b.shape, b.dtype)
         y = torch.mul(a, b)
-        keep_b = ctx.needs_input_grad[0]  # d(a*b)/da needs b, and the other way round
-        keep_a = ctx.needs_input_grad[1]
-        saved_a = (quant_a.pack(feature_map(a)) if quant_a is not None else a) if keep_a else None
-        saved_b = (quant_b.pack(feature_map(b)) if quant_b is not None else b) if keep_b else None
-        save(ctx, saved_a, saved_b)
+        save_operands(ctx, 0, a, b, quant_a, quant_b)
         return y
 
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        a_shape, b_shape = ctx.a_meta[0], ctx.b_meta[0]
-        return (*operand_gradients(
-            ctx, grad, 0, lambda g, b: sum_to(g * b.reshape(b_shape), *ctx.a_meta),
-            lambda g, a: sum_to(g * a.reshape(a_shape), *ctx.b_meta)), None, None)
+        return (*product_gradients(ctx, grad, 0, ctx.a_meta, ctx.b_meta), None, None)
+
+
+def save_operands(ctx: Any, first: int, a: torch.Tensor, b: torch.Tensor,
+                  quant_a: ActivationQuantizer | None, quant_b: ActivationQuantizer | None
+                  ) -> None:
+    """Save what the backward of a product of the forward's arguments ``first`` and ``first +
+    1`` reads: each operand the other's gradient needs, packed where it has a quantizer."""
+    keep_b, keep_a = ctx.needs_input_grad[first:first + 2]  # d(a*b)/da needs b, and conversely
+    saved_a = (quant_a.pack(feature_map(a)) if quant_a is not None else a) if keep_a else None
+    saved_b = (quant_b.pack(feature_map(b)) if quant_b is not None else b) if keep_b else None
+    save(ctx, saved_a, saved_b)
+
+
+def product_gradients(ctx: Any, grad: torch.Tensor, first: int, a_meta: tuple, b_meta: tuple
+                      ) -> tuple:
+    """The gradients of the operands ``save_operands`` saved, reduced to their shapes."""
+    return operand_gradients(ctx, grad, first,
+                             lambda g, b: sum_to(g * b.reshape(b_meta[0]), *a_meta),
+                             lambda g, a: sum_to(g * a.reshape(a_meta[0]), *b_meta))
 
 
 class MesaAddcmulFunction(torch.autograd.Function):
@@ -112,10 +124,7 @@ class MesaAddcmulFunction(torch.autograd.Function):
         ctx.value = value
         ctx.metas = tuple((t.shape, t.dtype) for t in (input, a, b))
         y = torch.addcmul(input, a, b, value=value)
-        keep_b, keep_a = ctx.needs_input_grad[1:3]
-        saved_a = (quant_a.pack(feature_map(a)) if quant_a is not None else a) if keep_a else None
-        saved_b = (quant_b.pack(feature_map(b)) if quant_b is not None else b) if keep_b else None
-        save(ctx, saved_a, saved_b)
+        save_operands(ctx, 1, a, b, quant_a, quant_b)
         return y
 
     @staticmethod
@@ -124,9 +133,7 @@ class MesaAddcmulFunction(torch.autograd.Function):
         input_meta, a_meta, b_meta = ctx.metas
         scaled = grad * ctx.value if ctx.value != 1 else grad
         grad_input = sum_to(grad, *input_meta) if ctx.needs_input_grad[0] else None
-        return (grad_input, *operand_gradients(
-            ctx, scaled, 1, lambda g, b: sum_to(g * b.reshape(b_meta[0]), *a_meta),
-            lambda g, a: sum_to(g * a.reshape(a_meta[0]), *b_meta)), None, None, None)
+        return (grad_input, *product_gradients(ctx, scaled, 1, a_meta, b_meta), None, None, None)
 
 
 def feature_map(t: torch.Tensor) -> torch.Tensor:
