@@ -26,14 +26,8 @@ one row.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import os.path as osp
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import torch
 
 from mmseg_mesa.bench import sweep
 
@@ -240,32 +234,14 @@ def main(argv: list[str] | None = None) -> dict:
     if missing:  # a newer mmpretrain: say so rather than leave a backbone out silently
         print(f'mmpretrain backbones neither measured nor skipped here: {missing}', flush=True)
     chosen = [n for n in (args.backbones or known) if n in known]
-    rows: list[dict] = [dict(backbone=n, arch='-', outcome=f'skipped: {SKIPPED[n]}')
-                        for n in (args.backbones or SKIPPED) if n in SKIPPED]
-    print(HEADER, flush=True)
-    for row in rows:
-        print(format_row(row), flush=True)
-
-    def run(name: str) -> dict:
-        row = run_one(name, args.size, args.batch, args.timeout)
-        print(format_row(row), flush=True)
-        return row
-
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        measured = list(pool.map(run, chosen))
+    skipped = [dict(backbone=n, arch='-', outcome=f'skipped: {SKIPPED[n]}')
+               for n in (args.backbones or SKIPPED) if n in SKIPPED]
+    rows = sweep.run_rows(chosen, skipped,
+                          lambda name: run_one(name, args.size, args.batch, args.timeout),
+                          format_row, HEADER, args.jobs)
     order = {n: i for i, n in enumerate([*known, *SKIPPED])}
-    rows = sorted(measured + rows, key=lambda r: order[r['backbone']])
-    results = dict(size=args.size, batch=args.batch, torch=torch.__version__, rows=rows)
-    if args.json:
-        os.makedirs(osp.dirname(osp.abspath(args.json)), exist_ok=True)
-        with open(args.json, 'w') as f:
-            json.dump(results, f, indent=1)
-    if args.markdown:
-        os.makedirs(osp.dirname(osp.abspath(args.markdown)), exist_ok=True)
-        with open(args.markdown, 'w') as f:
-            f.write('\n'.join([HEADER] + [format_row(r) for r in rows]) + '\n')
-    return results
-
+    rows.sort(key=lambda r: order[r['backbone']])
+    return sweep.write_results(rows, args, format_row, HEADER)
 
 if __name__ == '__main__':
     main()

@@ -26,14 +26,10 @@ representatives to their bounds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import os.path as osp
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import torch
 
 from mmseg_mesa.bench import sweep
 from mmseg_mesa.bench.sweep import configs_root
@@ -154,30 +150,13 @@ def main(argv: list[str] | None = None) -> dict:
     if missing:  # a newer mmseg: say so rather than leave a family out silently
         print(f'families without a representative config here: {missing}', flush=True)
     chosen = [f for f in (args.families or found) if f in CONFIGS]
-    rows: list[dict] = [dict(family=f, config=None, outcome=f'skipped: {SKIPPED[f]}')
-                        for f in (args.families or found) if f in SKIPPED]
-    print(HEADER, flush=True)
-    for row in rows:
-        print(format_row(row), flush=True)
-
-    def run(family: str) -> dict:
-        row = run_one(family, args.size, args.batch, args.timeout)
-        print(format_row(row), flush=True)
-        return row
-
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        rows += list(pool.map(run, chosen))
+    skipped = [dict(family=f, config=None, outcome=f'skipped: {SKIPPED[f]}')
+               for f in (args.families or found) if f in SKIPPED]
+    rows = sweep.run_rows(chosen, skipped,
+                          lambda family: run_one(family, args.size, args.batch, args.timeout),
+                          format_row, HEADER, args.jobs)
     rows.sort(key=lambda r: r['family'])
-    results = dict(size=args.size, batch=args.batch, torch=torch.__version__, rows=rows)
-    if args.json:
-        os.makedirs(osp.dirname(osp.abspath(args.json)), exist_ok=True)
-        with open(args.json, 'w') as f:
-            json.dump(results, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, 'w') as f:
-            f.write('\n'.join([HEADER] + [format_row(r) for r in rows]) + '\n')
-    return results
-
+    return sweep.write_results(rows, args, format_row, HEADER)
 
 if __name__ == '__main__':
     main()

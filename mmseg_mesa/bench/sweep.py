@@ -25,6 +25,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -192,3 +193,34 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, things: str) -> None:
     parser.add_argument('--json', default=None, help='write the rows as JSON here')
     parser.add_argument('--markdown', default=None, help='write the table as Markdown here')
     parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
+
+
+def run_rows(chosen: Sequence[str], skipped: list[dict], measure_one: Callable[[str], dict],
+             format_row: Callable[[dict], str], header: str, jobs: int) -> list[dict]:
+    """Print ``header`` and the ``skipped`` rows, then measure ``chosen`` (``jobs`` at once),
+    printing each row as it ends; the skipped rows and the measured ones, in that order."""
+    print(header, flush=True)
+    for row in skipped:
+        print(format_row(row), flush=True)
+
+    def run(key: str) -> dict:
+        row = measure_one(key)
+        print(format_row(row), flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return skipped + list(pool.map(run, chosen))
+
+
+def write_results(rows: list[dict], args: argparse.Namespace, format_row: Callable[[dict], str],
+                  header: str) -> dict:
+    """The rows with the sweep's settings, written as JSON (``--json``) and as the Markdown table
+    (``--markdown``) where asked."""
+    results = dict(size=args.size, batch=args.batch, torch=torch.__version__, rows=rows)
+    for path, text in ((args.json, lambda: json.dumps(results, indent=1)),
+                       (args.markdown, lambda: '\n'.join([header, *map(format_row, rows)]) + '\n')):
+        if path:
+            os.makedirs(osp.dirname(osp.abspath(path)), exist_ok=True)
+            with open(path, 'w') as f:
+                f.write(text())
+    return results
