@@ -23,6 +23,21 @@ STATE_FORMAT = 1
 ESTIMATES = ('lower', 'span', 'seen')
 
 
+# Quantizers made lazily live under ``<module>.mesa_sites.<key>``.
+DEFERRED_SEPARATOR = '.mesa_sites.'
+
+
+def load_estimates(quantizer: ActivationQuantizer, values: dict[str, torch.Tensor]) -> None:
+    """Put saved running estimates into ``quantizer``, in place, on its device."""
+    device = quantizer.lower.device
+    with torch.no_grad():
+        for key in ESTIMATES:
+            value = values[key]
+            buffer = getattr(quantizer, key)
+            # in place: wrappers that hold the buffers keep valid references
+            buffer.resize_(value.shape).copy_(value.to(device=device, dtype=buffer.dtype))
+
+
 def quantizers(model: nn.Module) -> dict[str, ActivationQuantizer]:
     """The model's quantizers by qualified name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, ActivationQuantizer)}
@@ -92,14 +107,18 @@ def restore_training_state(model: nn.Module, state: dict[str, Any]) -> RestoreRe
         if name not in saved:
             report.fresh.append(name)
             continue
-        device = quantizer.lower.device
-        with torch.no_grad():
-            for key in ESTIMATES:
-                value = saved[name][key]
-                buffer = getattr(quantizer, key)
-                # in place: wrappers that hold the buffers keep valid references
-                buffer.resize_(value.shape).copy_(value.to(device=device, dtype=buffer.dtype))
+        load_estimates(quantizer, saved[name])
         report.restored += 1
-    report.unused = sorted(set(saved) - set(owned))
+    modules = dict(model.named_modules())
+    for name in sorted(set(saved) - set(owned)):
+        # a quantizer made at a module's first call (``MesaFunctional``'s call sites): the
+        # module keeps its estimates until it makes it
+        owner, found, key = f'.{name}'.rpartition(DEFERRED_SEPARATOR)
+        module = modules.get(owner[1:]) if found else None
+        if module is not None and hasattr(module, 'mesa_defer_estimates'):
+            module.mesa_defer_estimates(key, saved[name])
+            report.restored += 1
+        else:
+            report.unused.append(name)
     restore_rounding_state(state['rounding'])
     return report

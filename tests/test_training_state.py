@@ -178,3 +178,45 @@ def round_trip_checkpoint(checkpoint):
     torch.save(checkpoint, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=True)
+
+
+class OwnGelu(nn.Module):
+    """A block whose own forward calls ``F.gelu`` and a product: the generic path makes its
+    call sites' quantizers at its first training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.scale = nn.Parameter(torch.ones(32))
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(x)) * self.scale
+
+
+def test_call_sites_made_at_the_first_step_resume_from_the_saved_estimates():
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(OwnGelu(), nn.Linear(32, 8))
+        convert_to_mesa(model)
+        return model
+
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k in range(2):
+        step(model, optimizer, k)
+    sites = [n for n in quantizers(model) if '.mesa_sites.' in n]
+    assert sites  # the generic path's quantizers, made in the first step
+    state = round_trip(training_state(model))
+    weights = copy.deepcopy(model.state_dict())
+    step(model, optimizer, 2)
+    uninterrupted = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    reset_rounding_generators()
+    other = build()
+    other.load_state_dict(weights)
+    report = restore_training_state(other, state)
+    assert not report.unused and report.restored == len(state['estimates'])
+    assert not any('.mesa_sites.' in n for n in quantizers(other))  # not made yet
+    step(other, torch.optim.SGD(other.parameters(), lr=0.1), 2)
+    for name, param in other.named_parameters():
+        assert torch.equal(param, uninterrupted[name]), name

@@ -30,6 +30,7 @@ from ..config import MesaConfig
 from ..layer_types import declare_layer_type
 from ..quantizer import ActivationQuantizer
 from ..saved import save
+from ..training_state import load_estimates
 from .activations import MesaSmoothFunction
 from .autocast import no_autocast_backward, record_input, returns_owned
 from .base import MesaModule, make_quantizer, row_group_config
@@ -223,6 +224,9 @@ class _Capture(TorchFunctionMode):
             key = f'{self.calls}_{kind}_{role}'
             if key not in sites:
                 sites[key] = make_quantizer(layer_config, group_dim, group_size)
+                deferred = self.owner.mesa_deferred_estimates.pop(key, None)
+                if deferred is not None and isinstance(sites[key], ActivationQuantizer):
+                    load_estimates(sites[key], deferred)
             out.append(sites[key])
         return out
 
@@ -475,10 +479,17 @@ class MesaFunctional(MesaModule, nn.Module):
         super().mesa_setup(config)
         self.mesa_child_depth = 0
         self.mesa_left_to_torch = Counter()
+        self.mesa_deferred_estimates: dict[str, dict[str, torch.Tensor]] = {}
         for child in _called_children(self):
             if child is not getattr(self, 'mesa_sites', None):
                 child.register_forward_pre_hook(_ChildDepth(self, 1))
                 child.register_forward_hook(_ChildDepth(self, -1))
+
+    def mesa_defer_estimates(self, key: str, estimates: dict[str, torch.Tensor]) -> None:
+        """Keep a checkpoint's estimates for the call site ``key`` until the site's quantizer is
+        made (``training_state.restore_training_state``: a resumed run makes it in its first
+        step)."""
+        self.mesa_deferred_estimates[key] = estimates
 
     def mesa_call_sites(self) -> nn.ModuleDict:
         """The quantizers of the module's call sites, a child made at its first routed call:
