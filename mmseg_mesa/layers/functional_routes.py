@@ -47,9 +47,14 @@ def _needs_grad(*tensors: Any) -> bool:
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _activation(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2 and \
+def is_activation(t: Any) -> bool:
+    """A floating-point tensor that is not a Parameter: what a forward computed."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and \
         not isinstance(t, torch.nn.Parameter)
+
+
+def _activation(t: Any) -> bool:
+    return is_activation(t) and t.dim() >= 2
 
 
 def channel_roles(x: torch.Tensor, role: str = 'input') -> dict:

@@ -37,7 +37,7 @@ from .base import MesaModule, make_quantizer, row_group_config
 from .conv import MesaConv2dFunction
 from .einsum import MesaEinsumFunction, gradient_equations
 from .formulas import operand_gradients, sum_to
-from .functional_routes import ROUTES
+from .functional_routes import ROUTES, is_activation
 from .grid_sample import MesaGridSampleFunction
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
@@ -143,14 +143,9 @@ def feature_map(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() <= 4 else t.reshape(t.shape[0], -1, *t.shape[-2:])
 
 
-def _is_activation(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and \
-        not isinstance(t, nn.Parameter)
-
-
 def _worth_packing(t: Any, other: Any) -> bool:
     """An activation (not a Parameter) that is not tiny next to the product."""
-    if not _is_activation(t) or t.dim() == 0:
+    if not is_activation(t) or t.dim() == 0:
         return False
     out = torch.broadcast_shapes(t.shape, other.shape).numel()
     return t.numel() > SMALL_OPERAND_FRACTION * out
@@ -233,7 +228,7 @@ class _Capture(TorchFunctionMode):
     def _route(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
         if func in _MATMULS and len(args) == 2 and not kwargs:
             a, b = args
-            if _is_activation(a) and _is_activation(b) and a.dim() >= 2 and b.dim() >= 2 \
+            if is_activation(a) and is_activation(b) and a.dim() >= 2 and b.dim() >= 2 \
                     and (a.requires_grad or b.requires_grad):
                 # the right operand by its columns: output column j reads only b[..., j], so
                 # each gets its own range (key tokens of q @ k, channels of attn @ v); the left
@@ -303,7 +298,7 @@ class _Capture(TorchFunctionMode):
         if kwargs or len(args) != 3 or not isinstance(args[0], str):
             return None
         equation, a, b = args
-        if not (_is_activation(a) and _is_activation(b) and (a.requires_grad or b.requires_grad)
+        if not (is_activation(a) and is_activation(b) and (a.requires_grad or b.requires_grad)
                 and gradient_equations(equation) is not None):
             return None
         # A softmax's output is held in full by the softmax itself: packing it would save
@@ -323,7 +318,7 @@ class _Capture(TorchFunctionMode):
                 dilation: Any = 1, groups: int = 1) -> torch.Tensor | None:
         """A convolution the module runs with a weight of its own making (K-Net's dynamic
         kernels); numeric padding only, as ``MesaConv2d``."""
-        if not (_is_activation(input) and input.dim() == 4 and weight.requires_grad
+        if not (is_activation(input) and input.dim() == 4 and weight.requires_grad
                 and not isinstance(padding, str)):
             return None
         site = self._site('conv2d', {'input': (1, None)})
@@ -337,7 +332,7 @@ class _Capture(TorchFunctionMode):
                      ) -> torch.Tensor | None:
         """Sampling a feature map at positions of the module's making (deformable attention,
         PointRend's points): the map is packed per channel, the grid kept."""
-        if not (_is_activation(input) and input.dim() == 4 and grid.dim() == 4
+        if not (is_activation(input) and input.dim() == 4 and grid.dim() == 4
                 and (input.requires_grad or grid.requires_grad)):
             return None
         site = self._site('attention', {'input': (1, None)})
@@ -349,7 +344,7 @@ class _Capture(TorchFunctionMode):
     def _adaptive_pool(self, input: torch.Tensor, output_size: Any) -> torch.Tensor | None:
         """An average pooling the module runs itself (DMNet's filter generator): it needs only
         the input's shape for backward, as ``MesaAdaptiveAvgPool2d``."""
-        if not (_is_activation(input) and input.requires_grad
+        if not (is_activation(input) and input.requires_grad
                 and 'pooling' in self.owner.mesa_config.layers):
             return None
         return MesaLinearPoolFunction.apply(
@@ -358,7 +353,7 @@ class _Capture(TorchFunctionMode):
     def _sigmoid(self, x: torch.Tensor) -> torch.Tensor | None:
         """A gate the module computes itself (PIDNet's boundary attention): its output packed
         per channel, as ``MesaSigmoid``."""
-        if not (_is_activation(x) and x.requires_grad and x.dim() >= 2):
+        if not (is_activation(x) and x.requires_grad and x.dim() >= 2):
             return None
         site = self._site('activation', {'output': (1 if x.dim() >= 4 else -1, None)})
         if site is None:
@@ -390,7 +385,7 @@ class _Capture(TorchFunctionMode):
 
     def _linear(self, input: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        if not (_is_activation(input) and (weight.requires_grad or input.requires_grad)):
+        if not (is_activation(input) and (weight.requires_grad or input.requires_grad)):
             return None
         site = self._site('linear', {'input': (-1, None)})
         if site is None:
@@ -426,7 +421,7 @@ def _softmax_args(func: Any, args: tuple, kwargs: dict) -> tuple[torch.Tensor | 
         ('input', 'dim', 'dtype')
     bound = dict(zip(names, args), **kwargs)
     x, dim = bound.get('input', bound.get('self')), bound.get('dim')
-    if bound.get('dtype') is not None or not _is_activation(x) or dim is None:
+    if bound.get('dtype') is not None or not is_activation(x) or dim is None:
         return None, 0
     return x, dim
 
