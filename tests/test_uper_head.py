@@ -353,3 +353,75 @@ def test_level_fusion_at_swin_t_uperhead_widths_is_bit_identical(sample_blocks):
         torch.cat([levels[0], *(upsample(t) for t in levels[1:])], dim=1), weight, None, *args)
     assert torch.equal(level_fusion.LevelFusionConvFunction.apply(spec, weight, None, *levels),
                        want)
+
+
+def _top_down(batch=3, dtype=torch.float32, coarse_dtype=None):
+    torch.manual_seed(0)
+    fine = torch.randn(batch, 4, 16, 16, dtype=dtype, requires_grad=True)
+    coarse = torch.randn(batch, 4, 8, 8, dtype=coarse_dtype or dtype, requires_grad=True)
+    upsample = functools.partial(torch.nn.functional.interpolate, size=(16, 16), mode='bilinear',
+                                 align_corners=False)
+    return fine, coarse, upsample
+
+
+def test_upsample_add_writes_into_the_finer_level_bit_identically(sample_blocks):
+    """A block of one sample at a time, into the finer level's storage: torch's sum bit for bit,
+    torch's gradients exactly (the sum's passes on, the coarse level's is the upsampling's)."""
+    from mmseg_mesa.layers import upsample_add as module
+    fine, coarse, upsample = _top_down()
+    want = fine * 1 + upsample(coarse)
+    levels = [fine * 1]  # a non-leaf only the list holds
+    storage = levels[0].data_ptr()
+    blocks = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, 'sample_slices',
+                      lambda *a: blocks.extend(chunking.sample_slices(*a)) or blocks)
+        got = module.upsample_add(levels, 0, coarse, upsample)
+    assert blocks == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert levels == [None] and got.data_ptr() == storage
+    assert torch.equal(got, want)
+    grad = torch.randn_like(got)
+    (want_fine, want_coarse) = torch.autograd.grad(want, (fine, coarse), grad)
+    (got_fine, got_coarse) = torch.autograd.grad(got, (fine, coarse), grad)
+    assert torch.equal(got_fine, want_fine) and torch.equal(got_coarse, want_coarse)
+
+
+@pytest.mark.parametrize('case', ['shared', 'leaf', 'promoted'])
+def test_upsample_add_stays_out_of_place_where_in_place_could_differ(case):
+    """Another holder of the finer level, a leaf, or an upsampled level of another dtype (the
+    sum promotes): torch's out-of-place sum, the finer level untouched."""
+    from mmseg_mesa.layers.upsample_add import upsample_add
+    fine, coarse, upsample = _top_down(coarse_dtype=torch.float64 if case == 'promoted' else None)
+    levels = [fine if case == 'leaf' else fine * 1]
+    keep = levels[0] if case == 'shared' else None
+    before = levels[0].detach().clone()
+    got = upsample_add(levels, 0, coarse, upsample)
+    assert torch.equal(levels[0].detach(), before) and got.data_ptr() != levels[0].data_ptr()
+    assert got.dtype == torch.promote_types(fine.dtype, coarse.dtype)
+    assert torch.equal(got, levels[0] + upsample(coarse))
+    del keep
+
+
+def test_upsample_add_holds_one_block_of_the_upsampled_level(sample_blocks):
+    """Out of place the step holds the upsampled level and the sum beside the finer level; in
+    place, one sample of the upsampled level."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from mmseg_mesa.layers.upsample_add import upsample_add
+    fine, coarse, upsample = _top_down(batch=4)
+    level_bytes = fine.numel() * fine.element_size()
+
+    def growth(step):
+        levels = [fine.detach() * 1]
+        tracker = MemTracker()
+        tracker.track_external(coarse, *levels)
+        with tracker:
+            start = tracker.get_tracker_snapshot('current')[fine.device]['Total']
+            out = step(levels)
+            del out
+        return tracker.get_tracker_snapshot('peak')[fine.device]['Total'] - start
+
+    plain = growth(lambda levels: levels[0] + upsample(coarse))
+    lean = growth(lambda levels: upsample_add(levels, 0, coarse, upsample))
+    assert plain >= 2 * level_bytes
+    assert lean <= level_bytes / 4 + 4096, lean / level_bytes

@@ -4,12 +4,14 @@ mmseg's ``UPerHead._forward_feature`` keeps the ``laterals`` list alive through 
 and builds the list of upsampled FPN outputs next to their concatenation: on Swin-T UPerNet that
 concatenation alone is 128 MiB per image, most of what the step peak grows by per image
 (docs/benchmarks.md). ``MesaUPerHead`` runs the same modules and ops in the same order, drops the
-laterals once they are used and, where the bottleneck is a converted conv, builds the
-concatenation and convolves it a block of samples at a time (``layers.level_fusion``), saving the
-FPN outputs' codes before upsampling. Otherwise it writes each FPN output into its channel slice
-of one buffer as soon as it exists (``concat_channels``), freed once the conv has run
-(``releasing_input``). Either way forward is bit-identical. Given a ``FeatureList``
-(``MesaEncoderDecoder``), it also drops each input level once its lateral conv has read it.
+laterals once they are used and adds each top-down level into the finer lateral's storage, a block
+of samples upsampled at a time (``layers.upsample_add``). Where the bottleneck is a converted conv
+it builds the concatenation and convolves it a block of samples at a time
+(``layers.level_fusion``), saving the FPN outputs' codes before upsampling; otherwise it writes
+each FPN output into its channel slice of one buffer as soon as it exists (``concat_channels``),
+freed once the conv has run (``releasing_input``). Either way forward is bit-identical. Given a
+``FeatureList`` (``MesaEncoderDecoder``), it also drops each input level once its lateral conv has
+read it.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from mmseg.models.utils import resize
 from ..config import MesaConfig
 from ..layers.autocast import returns_owned
 from ..layers.level_fusion import channels_last
+from ..layers.upsample_add import upsample_add
 from .fusion import (
     classified,
     fused_conv_module,
@@ -122,9 +125,9 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
         del features
         levels = len(laterals)
         for i in range(levels - 1, 0, -1):
-            laterals[i - 1] = laterals[i - 1] + resize(
-                laterals[i], size=laterals[i - 1].shape[2:], mode='bilinear',
-                align_corners=self.align_corners)
+            laterals[i - 1] = upsample_add(laterals, i - 1, laterals[i], functools.partial(
+                resize, size=laterals[i - 1].shape[2:], mode='bilinear',
+                align_corners=self.align_corners))
         fpn_outs: list[torch.Tensor | None] = []
         for i in range(levels - 1):
             holder = [laterals[i]]
