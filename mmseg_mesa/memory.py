@@ -139,6 +139,9 @@ class StepPeak:
             a module's backward ran: what is alive then, the forward's saved tensors included)
             and ``optimizer`` (the step and ``zero_grad``, with the gradients and optimizer
             state it starts from). Each is fitted on its own by ``BatchPlan``.
+        site_peaks: The peak while each module call ran, in forward (``'forward:NAME#K'``, the
+            K-th call of module NAME) and in its backward (``'backward:NAME#K'``). ``BatchPlan``
+            fits each too: the place that holds the step's peak can move with the batch.
     """
 
     peak_bytes: int
@@ -146,6 +149,7 @@ class StepPeak:
     phase: str
     module: str
     phase_peaks: dict[str, int]
+    site_peaks: dict[str, int] = field(default_factory=dict)
 
 
 def track_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -203,7 +207,20 @@ def track_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer,
         module = module[len(root) + 1:]
     by_category = {getattr(key, 'value', str(key)): value for key, value in snapshot.items()
                    if getattr(key, 'value', key) != 'Total' and value}
-    return StepPeak(peak, by_category, phase, module, phase_peaks)
+    return StepPeak(peak, by_category, phase, module, phase_peaks, _site_peaks(tracker))
+
+
+def _site_peaks(tracker: Any) -> dict[str, int]:
+    """Every module call's peak total in forward and in backward (all devices summed)."""
+    sites = {}
+    for stats in tracker.memory_tracking.values():
+        for state, snaps in stats.snapshots.items():
+            if state.name in ('PEAK_FW', 'PEAK_BW'):
+                phase = 'forward' if state.name == 'PEAK_FW' else 'backward'
+                for call, snap in enumerate(snaps):
+                    sites[f'{phase}:{stats.mod_fqn}#{call}'] = sum(
+                        dev_snap['Total'] for dev_snap in snap.values())
+    return sites
 
 
 def _tracked_peak(tracker: object) -> int:
@@ -246,21 +263,27 @@ class BatchPlan:
 
     Each phase's peak (``StepPeak.phase_peaks``) is fitted as ``fixed + per_image * batch``:
     weights, gradients and optimizer state are fixed, activations and transients scale with the
-    batch. The step's peak is the largest phase's, since which phase holds it can change with
-    the batch.
+    batch. So is the peak of each module call (``StepPeak.site_peaks``): at a larger batch the
+    step's peak can move to another place that grows faster (Swin-T UPerNet: the fused
+    bottleneck holds it at batches 2 and 4, the bottleneck's BatchNorm at 8), which the fit of
+    the phase's peak alone misses. The predicted peak is the largest of all these lines.
 
     Attributes:
         batches: The two measured batch sizes.
         fits: Per phase, ``(fixed bytes, bytes per image)``.
+        site_fits: The same per module call measured at both batches.
     """
 
     batches: tuple[int, int]
     fits: dict[str, tuple[float, float]]
+    site_fits: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
     def fit(cls, low_batch: int, low: Mapping[str, int], high_batch: int,
-            high: Mapping[str, int]) -> BatchPlan:
-        """From the phase peaks at two batch sizes.
+            high: Mapping[str, int], low_sites: Mapping[str, int] | None = None,
+            high_sites: Mapping[str, int] | None = None) -> BatchPlan:
+        """From the phase peaks (and the site peaks, where given) at two batch sizes; a site
+        measured at only one of them is left out.
 
         Raises:
             ValueError: The batches are equal or the peak did not grow with the batch (nothing
@@ -268,11 +291,16 @@ class BatchPlan:
         """
         if high_batch == low_batch:
             raise ValueError(f'BatchPlan.fit needs two batch sizes, got {low_batch} twice')
-        fits = {}
-        for phase in low:
-            per_image = (high[phase] - low[phase]) / (high_batch - low_batch)
-            fits[phase] = (low[phase] - per_image * low_batch, per_image)
-        plan = cls((low_batch, high_batch), fits)
+
+        def lines(lows: Mapping[str, int], highs: Mapping[str, int]) -> dict:
+            slopes = {k: (highs[k] - lows[k]) / (high_batch - low_batch)
+                      for k in lows if k in highs}
+            return {k: (lows[k] - slope * low_batch, slope) for k, slope in slopes.items()}
+
+        # a site that does not grow cannot take the peak from the phases above it
+        sites = {k: line for k, line in lines(low_sites or {}, high_sites or {}).items()
+                 if line[1] > 0}
+        plan = cls((low_batch, high_batch), lines(low, high), sites)
         if plan.per_image_bytes <= 0:
             raise ValueError(f'the step peak did not grow with the batch ({dict(low)} at '
                              f'{low_batch} -> {dict(high)} at {high_batch}); cannot extrapolate')
@@ -280,7 +308,13 @@ class BatchPlan:
 
     def predict(self, batch: int) -> float:
         """The predicted step peak at ``batch``, in bytes."""
-        return max(fixed + per_image * batch for fixed, per_image in self.fits.values())
+        return max(fixed + per_image * batch
+                   for fixed, per_image in [*self.fits.values(), *self.site_fits.values()])
+
+    def place(self, batch: int) -> str:
+        """The phase or site whose line gives the predicted peak at ``batch``."""
+        lines = {**self.fits, **self.site_fits}
+        return max(lines, key=lambda k: lines[k][0] + lines[k][1] * batch)
 
     @property
     def per_image_bytes(self) -> float:
@@ -289,12 +323,13 @@ class BatchPlan:
 
     @property
     def fixed_bytes(self) -> float:
-        """The predicted peak of no images: weights, gradients, optimizer state."""
-        return self.predict(0)
+        """The peak of no images by the phases' lines: weights, gradients, optimizer state."""
+        return max(fixed for fixed, _ in self.fits.values())
 
     def largest_batch(self, budget_bytes: float) -> int:
         """The largest batch whose predicted step peak fits in ``budget_bytes`` (0: none)."""
-        growing = [(budget_bytes - fixed) / per_image for fixed, per_image in self.fits.values()
+        growing = [(budget_bytes - fixed) / per_image
+                   for fixed, per_image in [*self.fits.values(), *self.site_fits.values()]
                    if per_image > 0]
         batch = max(0, math.floor(min(growing)))
         while batch and self.predict(batch) > budget_bytes:  # phases that do not grow

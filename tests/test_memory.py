@@ -167,6 +167,61 @@ def test_batch_plan_takes_the_largest_phase_at_each_batch():
         BatchPlan.fit(2, low, 4, low)
 
 
+def test_batch_plan_follows_a_site_that_overtakes_the_phase_peak():
+    """A module call whose peak grows faster than the phase's at the measured batches sets the
+    prediction once its line is above; sites that do not grow or were seen once are left out."""
+    low, high = dict(forward=300, backward=350, optimizer=500), dict(forward=500, backward=450,
+                                                                     optimizer=500)
+    plan = BatchPlan.fit(2, low, 4, high,
+                         {'forward:m.bn#0': 250, 'forward:m.relu#0': 290, 'backward:m#0': 10},
+                         {'forward:m.bn#0': 480, 'forward:m.relu#0': 280})
+    assert plan.site_fits == {'forward:m.bn#0': (20.0, 115.0)}
+    assert plan.per_image_bytes == 100.0 and plan.fixed_bytes == 500.0  # the phases' lines
+    assert plan.predict(4) == 500.0 and plan.place(4) == 'forward'
+    assert plan.predict(10) == 1170.0 and plan.place(10) == 'forward:m.bn#0'
+    assert plan.largest_batch(1100) == 9  # the phases alone would allow 10
+    assert plan.place(2) == 'optimizer'
+
+
+class _Transient(nn.Module):
+    """Holds ``extra(x)`` bytes beside its input for a moment, as an op's scratch does."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.extra, self.scale = extra, nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        scratch = torch.empty(self.extra(x) // 4)
+        del scratch
+        return x * self.scale
+
+
+def test_site_peaks_predict_a_peak_that_moves_with_the_batch():
+    """A fixed scratch holds the peak at batches 2 and 4, one that grows with the batch at 8:
+    the phases' lines miss batch 8's peak, the site lines predict it."""
+    from mmseg_mesa.memory import track_step_peak
+    image = 256 * 1024
+    model = nn.Sequential(_Transient(lambda x: 20 * image),
+                          _Transient(lambda x: 3 * x.numel() * 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def peak(batch):
+        x = torch.ones(batch, image // 4)
+        return track_step_peak(model, optimizer, lambda: model(x).sum(), x)
+
+    low, high, check = peak(2), peak(4), peak(8)
+    assert check.module == '1' and low.module == '0'  # where each step's peak was
+    assert {k for k in low.site_peaks if k.startswith('forward:')} == {
+        'forward:Sequential#0', 'forward:Sequential.0#0', 'forward:Sequential.1#0'}
+    assert max(low.site_peaks.values()) <= low.peak_bytes
+    phases = BatchPlan.fit(2, low.phase_peaks, 4, high.phase_peaks)
+    sites = BatchPlan.fit(2, low.phase_peaks, 4, high.phase_peaks, low.site_peaks,
+                          high.site_peaks)
+    assert phases.predict(8) < 0.9 * check.peak_bytes
+    assert abs(sites.predict(8) / check.peak_bytes - 1) < 0.01
+    assert sites.place(8) == 'forward:Sequential.1#0'
+
+
 def test_conv_backward_never_holds_the_decoded_input_and_its_gradient_at_once():
     from torch.distributed._tools.mem_tracker import MemTracker
     torch.manual_seed(0)

@@ -145,7 +145,7 @@ def measure_memory(options: dict[str, Any], seed: int, budget: int) -> dict[str,
                                          *[s.gt_sem_seg.data for s in step_data['data_samples']]))
         peak, small_peak = peaks
         plan = BatchPlan.fit(half, small_peak.phase_peaks, len(data['data_samples']),
-                             peak.phase_peaks)
+                             peak.phase_peaks, small_peak.site_peaks, peak.site_peaks)
         results[name] = dict(saved_bytes=int(report.total_bytes),
                              saved_by_type=dict(report.by_type.most_common()),
                              step_peak_bytes=peak.peak_bytes,

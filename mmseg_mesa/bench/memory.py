@@ -143,7 +143,7 @@ def step_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: t
         cuda_peak = torch.cuda.max_memory_allocated()
     return dict(peak_bytes=peak.peak_bytes, peak_by_category=peak.by_category,
                 peak_phase=peak.phase, peak_module=peak.module, phase_peaks=peak.phase_peaks,
-                cuda_peak_bytes=cuda_peak)
+                site_peaks=peak.site_peaks, cuda_peak_bytes=cuda_peak)
 
 
 def measure(model: torch.nn.Module, batch: tuple, mode: str, device: str, iters: int,
@@ -157,6 +157,7 @@ def measure(model: torch.nn.Module, batch: tuple, mode: str, device: str, iters:
     optimizer.step()
     model.zero_grad(set_to_none=True)
     result = step_peak(model, optimizer, batch, mode, device)
+    del result['site_peaks']  # for plans only (hundreds of module calls)
     times = []
     for _ in range(iters):
         synchronize(device)
@@ -198,23 +199,26 @@ def plan_batches(base: torch.nn.Module, cfg: Any, modes: list[str], mesa_config:
     second = second_batch or 2 * batch
     for mode in modes:
         print(f'planning {mode}: peaks at batch {batch} and {second} ...', flush=True)
-        low = peak_at(base, cfg, mode, mesa_config, batch, size, device)['phase_peaks']
-        high = peak_at(base, cfg, mode, mesa_config, second, size, device)['phase_peaks']
+        low = peak_at(base, cfg, mode, mesa_config, batch, size, device)
+        high = peak_at(base, cfg, mode, mesa_config, second, size, device)
         try:
-            fitted = BatchPlan.fit(batch, low, second, high)
+            fitted = BatchPlan.fit(batch, low['phase_peaks'], second, high['phase_peaks'],
+                                   low['site_peaks'], high['site_peaks'])
         except ValueError as error:
             raise SystemExit(f'{mode}: {error}') from None
-        plan = dict(fitted.summary(budgets[0]), phase_peaks_low=low, phase_peaks_high=high,
-                    fits=[dict(budget_bytes=b, max_batch=fitted.largest_batch(b))
-                          for b in budgets])
+        plan = dict(fitted.summary(budgets[0]), phase_peaks_low=low['phase_peaks'],
+                    phase_peaks_high=high['phase_peaks'],
+                    fits=[dict(budget_bytes=b, max_batch=fitted.largest_batch(b),
+                               place=fitted.place(fitted.largest_batch(b))) for b in budgets])
         checks = [b for b in (plan['max_batch'] if check else None, check_batch) if b]
         for checked in dict.fromkeys(checks):
             print(f'checking {mode} at batch {checked} ...', flush=True)
-            measured = peak_at(base, cfg, mode, mesa_config, checked, size, device)['peak_bytes']
+            measured = peak_at(base, cfg, mode, mesa_config, checked, size, device)
             predicted = fitted.predict(checked)
             plan.setdefault('checks', []).append(dict(
-                batch=checked, predicted_bytes=predicted, measured_bytes=measured,
-                error=predicted / measured - 1))
+                batch=checked, predicted_bytes=predicted, measured_bytes=measured['peak_bytes'],
+                error=predicted / measured['peak_bytes'] - 1, predicted_place=fitted.place(checked),
+                measured_place=f"{measured['peak_phase']}: {measured['peak_module'] or '-'}"))
         if check and plan['max_batch']:
             plan.update({k: plan['checks'][0][k] for k in ('measured_bytes', 'error')})
         if search:
@@ -233,7 +237,8 @@ def format_plans(plans: dict, size: tuple[int, int]) -> str:
     base = plans.get('baseline')
     searched = any('searched_batch' in p for p in plans.values())
     lines = [f'Step peak = fixed + per image x batch at {size[0]}x{size[1]} (each phase fitted at '
-             'two batches); the largest batch whose predicted peak fits in each budget:',
+             'two batches); the largest batch whose predicted peak (the largest of the phases\' '
+             'and every module call\'s lines) fits in each budget:',
              f"{'mode':<17}{'fixed MiB':>11}{'MiB/image':>11}{'ratio':>7}" +
              ''.join(f'{format_bytes(b):>9}' for b in budgets) +
              (f"{'searched':>10}" if searched else '')]
@@ -246,10 +251,11 @@ def format_plans(plans: dict, size: tuple[int, int]) -> str:
     checks = [(mode, c) for mode, p in plans.items() for c in p.get('checks', ())]
     if checks:
         lines.append(f"{'checked':<17}{'batch':>7}{'predicted MiB':>15}{'measured MiB':>14}"
-                     f"{'error':>8}")
+                     f"{'error':>8}  predicted at / measured at")
         for mode, c in checks:
             lines.append(f"{mode:<17}{c['batch']:7d}{c['predicted_bytes'] / mib:15.0f}"
-                         f"{c['measured_bytes'] / mib:14.0f}{c['error']:+8.1%}")
+                         f"{c['measured_bytes'] / mib:14.0f}{c['error']:+8.1%}  "
+                         f"{c['predicted_place']} / {c['measured_place']}")
     return '\n'.join(lines)
 
 
