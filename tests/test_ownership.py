@@ -314,3 +314,34 @@ def test_feature_dropout_is_torchs_and_writes_into_an_owned_gradient(keep):
         assert out_of != [g.data_ptr()] and torch.equal(g, values)
     else:
         assert into == out_of
+
+
+@pytest.mark.parametrize('shared', [False, True])
+def test_classifier_dropout_writes_into_features_nothing_else_holds(shared):
+    """``classified``: the head's ``Dropout2d`` multiplies the features in their own storage when
+    the holder was their only reference (torch's output and gradient bit for bit), and into a
+    new tensor when something else still reads them."""
+    from torch import nn
+
+    from mmseg_mesa.integrations.fusion import classified
+    head = nn.Module()
+    head.dropout, head.conv_seg = nn.Dropout2d(0.3), nn.Conv2d(5, 2, 1)
+    leaf = torch.randn(3, 5, 6, 6, requires_grad=True)
+    torch.manual_seed(2)
+    want = head.conv_seg(F.dropout2d(leaf * 1, 0.3, training=True))
+    want.sum().backward()
+    expected, leaf.grad = leaf.grad, None
+    features = [leaf * 1]
+    storage = features[0].data_ptr()
+    keep = features[0] if shared else None
+    written = []
+    hook = head.conv_seg.register_forward_pre_hook(lambda m, args: written.append(
+        args[0].data_ptr() == storage) and None)
+    torch.manual_seed(2)
+    got = classified(head, features)
+    hook.remove()
+    assert torch.equal(got, want) and written == [not shared]
+    got.sum().backward()
+    assert torch.equal(leaf.grad, expected)
+    if shared:
+        assert torch.equal(keep, leaf * 1)  # untouched

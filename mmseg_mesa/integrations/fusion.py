@@ -58,11 +58,12 @@ def classified(head: nn.Module, holder: list[torch.Tensor]) -> torch.Tensor:
     """``head.cls_seg(holder.pop())`` (mmseg's ``BaseDecodeHead.cls_seg`` steps: dropout, then
     ``conv_seg``) with no reference to the features left once the dropout has run: mmseg's
     ``forward`` holds them through the whole classifier. A plain ``nn.Dropout2d`` runs as
-    ``FeatureDropoutFunction`` (the same output), whose backward can reuse the gradient that
-    ``conv_seg``'s backward makes."""
+    ``FeatureDropoutFunction`` (the same output), written into the features where nothing else
+    holds them, whose backward can reuse the gradient that ``conv_seg``'s backward makes."""
+    in_place = sole_reference(holder, len(holder) - 1)
     x = holder.pop()
     if plain_feature_dropout(head.dropout, x):
-        x = FeatureDropoutFunction.apply(x, head.dropout.p)
+        x = FeatureDropoutFunction.apply(x, head.dropout.p, in_place)
     elif head.dropout is not None:
         x = head.dropout(x)
     return head.conv_seg(x)

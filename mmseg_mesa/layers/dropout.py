@@ -49,13 +49,18 @@ class FeatureDropoutFunction(torch.autograd.Function):
     """``F.dropout2d(x, p, training=True)`` of a 4-d ``x`` (0 < p < 1): torch's draws (one
     ``bernoulli_`` per sample and channel, scaled) and output bit for bit. It saves that noise,
     as torch's product does; backward writes the input gradient into the incoming one where
-    nothing else holds it, where torch's makes a second tensor of the features' size."""
+    nothing else holds it, where torch's makes a second tensor of the features' size.
+    ``in_place``: the caller vouches that nothing reads ``x`` afterwards
+    (``ownership.sole_reference``); the product is then written into it, the same values."""
 
     @staticmethod
     @returns_owned
-    def forward(ctx: Any, x: torch.Tensor, p: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, p: float, in_place: bool = False) -> torch.Tensor:
         noise = x.new_empty((*x.shape[:2], 1, 1)).bernoulli_(1 - p).div_(1 - p)
         ctx.save_for_backward(noise)
+        if in_place:
+            ctx.mark_dirty(x)
+            return x.mul_(noise)
         return x * noise
 
     @staticmethod
@@ -63,8 +68,8 @@ class FeatureDropoutFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (noise,) = ctx.saved_tensors
         if ctx.owned_grads[0] and grad.dtype == noise.dtype:
-            return grad.mul_(noise), None
-        return grad * noise, None
+            return grad.mul_(noise), None, None
+        return grad * noise, None, None
 
 
 def inplace_or_no_mask_reason(module: nn.Dropout) -> str | None:
