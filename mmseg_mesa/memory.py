@@ -322,6 +322,11 @@ class BatchPlan:
         return max(per_image for _, per_image in self.fits.values())
 
     @property
+    def steepest_per_image_bytes(self) -> float:
+        """What each image adds at large batches: the steepest line, phase or module call."""
+        return max(per_image for _, per_image in [*self.fits.values(), *self.site_fits.values()])
+
+    @property
     def fixed_bytes(self) -> float:
         """The peak of no images by the phases' lines: weights, gradients, optimizer state."""
         return max(fixed for fixed, _ in self.fits.values())
@@ -341,4 +346,5 @@ class BatchPlan:
         largest = self.largest_batch(budget_bytes)
         return dict(batches=list(self.batches), budget_bytes=int(budget_bytes),
                     fixed_bytes=self.fixed_bytes, per_image_bytes=self.per_image_bytes,
+                    steepest_per_image_bytes=self.steepest_per_image_bytes,
                     max_batch=largest, predicted_bytes=self.predict(largest) if largest else None)

@@ -177,6 +177,7 @@ def test_batch_plan_follows_a_site_that_overtakes_the_phase_peak():
                          {'forward:m.bn#0': 480, 'forward:m.relu#0': 280})
     assert plan.site_fits == {'forward:m.bn#0': (20.0, 115.0)}
     assert plan.per_image_bytes == 100.0 and plan.fixed_bytes == 500.0  # the phases' lines
+    assert plan.steepest_per_image_bytes == 115.0
     assert plan.predict(4) == 500.0 and plan.place(4) == 'forward'
     assert plan.predict(10) == 1170.0 and plan.place(10) == 'forward:m.bn#0'
     assert plan.largest_batch(1100) == 9  # the phases alone would allow 10

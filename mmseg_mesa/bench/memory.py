@@ -238,15 +238,17 @@ def format_plans(plans: dict, size: tuple[int, int]) -> str:
     searched = any('searched_batch' in p for p in plans.values())
     lines = [f'Step peak = fixed + per image x batch at {size[0]}x{size[1]} (each phase fitted at '
              'two batches); the largest batch whose predicted peak (the largest of the phases\' '
-             'and every module call\'s lines) fits in each budget:',
-             f"{'mode':<17}{'fixed MiB':>11}{'MiB/image':>11}{'ratio':>7}" +
+             'and every module call\'s lines) fits in each budget; steepest: MiB per image of '
+             'the steepest line, what each image adds at large batches:',
+             f"{'mode':<17}{'fixed MiB':>11}{'MiB/image':>11}{'ratio':>7}{'steepest':>10}" +
              ''.join(f'{format_bytes(b):>9}' for b in budgets) +
              (f"{'searched':>10}" if searched else '')]
     for mode, p in plans.items():
         ratio = (f"{p['per_image_bytes'] / base['per_image_bytes']:7.3f}" if base
                  else f"{'-':>7}")
         lines.append(f"{mode:<17}{p['fixed_bytes'] / mib:11.0f}{p['per_image_bytes'] / mib:11.1f}"
-                     + ratio + ''.join(f"{f['max_batch']:9d}" for f in p['fits'])
+                     + ratio + f"{p['steepest_per_image_bytes'] / mib:10.1f}"
+                     + ''.join(f"{f['max_batch']:9d}" for f in p['fits'])
                      + (f"{p.get('searched_batch', '-'):>10}" if searched else ''))
     checks = [(mode, c) for mode, p in plans.items() for c in p.get('checks', ())]
     if checks:
