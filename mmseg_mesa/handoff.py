@@ -20,7 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 V = TypeVar('V')
 
-__all__ = ['CODES', 'SAVED_LABEL', 'HandOff']
+__all__ = ['CODES', 'MAPS', 'SAVED_LABEL', 'HandOff']
 
 
 class HandOff(Generic[V]):
@@ -53,3 +53,8 @@ CODES: HandOff[tuple[Any, int]] = HandOff(
 # packs a custom Function's saved tensors after its forward returns, so the label cannot be an
 # argument of the pack hook.
 SAVED_LABEL: HandOff[str] = HandOff('saved label', 'what this saved tensor is, for reports')
+# (recipe, the tensor's version when it was offered): how to rebuild this tensor in backward from
+# codes a matmul node already keeps, offered along attention written op by op (logits, their
+# scaled and biased forms, the softmax's map) to the next op that reads it (``recomputed_map``).
+MAPS: HandOff[tuple[Any, int]] = HandOff(
+    'maps', 'how to rebuild this tensor from codes a matmul keeps, instead of saving it')

@@ -42,6 +42,16 @@ from .grid_sample import MesaGridSampleFunction
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
 from .pooling import MesaLinearPoolFunction
+from .recomputed_map import (
+    MesaLogitsFunction,
+    MesaMapMatMulFunction,
+    MesaMapSoftmaxFunction,
+    logits_operands,
+    logits_recipe,
+    recipe_of,
+    step_operand,
+)
+from .recomputed_map import offer as offer_map
 from .sdpa import SDPA_FUNCTIONS, SDPA_ROLES, SDPACall, left_to_torch, mesa_sdpa, packs
 from .softmax import MesaSoftmaxFunction
 
@@ -69,6 +79,17 @@ _GRID_SAMPLES = {F.grid_sample}
 _ADAPTIVE_POOLS = {F.adaptive_avg_pool2d}
 _SIGMOIDS = {torch.sigmoid, torch.Tensor.sigmoid}
 _ADDCMULS = {torch.addcmul, torch.Tensor.addcmul}
+# Ops a recipe of logits follows (``layers.recomputed_map``): the step each one is.
+_MAP_STEPS = {
+    **dict.fromkeys((torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__),
+                    'mul'),
+    **dict.fromkeys((torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__),
+                    'add'),
+    **dict.fromkeys((torch.sub, torch.Tensor.sub, torch.Tensor.__sub__), 'sub'),
+    **dict.fromkeys((torch.div, torch.Tensor.div, torch.Tensor.__truediv__), 'div'),
+    **dict.fromkeys((torch.Tensor.view, torch.Tensor.reshape, torch.reshape,
+                     torch.Tensor.unsqueeze, torch.unsqueeze), 'reshape'),
+}
 
 
 class MesaMulFunction(torch.autograd.Function):
@@ -184,11 +205,46 @@ class _Capture(TorchFunctionMode):
         routed = self._route(func, args, kwargs)
         if routed is not None:
             self.routed += 1
-            return routed
-        result = func(*args, **kwargs)
-        if self.probing:
-            self._note_left(func, result, (*args, *kwargs.values()))
+            result = routed
+        else:
+            result = func(*args, **kwargs)
+            if self.probing:
+                self._note_left(func, result, (*args, *kwargs.values()))
+        if func in _MAP_STEPS and self.recomputes_maps and not kwargs:
+            self._follow_map(_MAP_STEPS[func], args, result)
         return result
+
+    @functools.cached_property
+    def recomputes_maps(self) -> bool:
+        """Whether attention written op by op keeps no map (``layers.recomputed_map``)."""
+        config = self.owner.mesa_config
+        return config.attention_maps == 'recompute' and 'softmax' in config.layers
+
+    def _follow_map(self, step: str, args: tuple, result: Any) -> None:
+        """Extend the recipe of logits (or of their scaled, biased or reshaped forms) by this
+        op, when its other operand can be kept."""
+        if not isinstance(result, torch.Tensor) or result.grad_fn is None or not args:
+            return
+        if step == 'reshape':
+            recipe = recipe_of(args[0])
+            if recipe is not None and result.dtype == args[0].dtype \
+                    and result.numel() == args[0].numel():
+                offer_map(result, recipe.then('reshape', result.shape))
+            return
+        if len(args) != 2:
+            return
+        recipe, other = recipe_of(args[0]), args[1]
+        if recipe is None and step in ('mul', 'add'):  # commutative: the logits second
+            recipe, other = recipe_of(args[1]), args[0]
+        if recipe is None:
+            return
+        kept = step_operand(other, result, lambda: self._operand_quantizer(other))
+        if kept is not None:
+            offer_map(result, recipe.then(step, kept))
+
+    def _operand_quantizer(self, t: torch.Tensor) -> ActivationQuantizer | None:
+        site = self._site('softmax', {'operand': (_product_group_dim(t), 1)})
+        return None if site is None else site[0]
 
     def _note_left(self, func: Any, result: Any, inputs: tuple) -> None:
         """Count a call Mesa has no route for whose node keeps an activation."""
@@ -233,6 +289,20 @@ class _Capture(TorchFunctionMode):
                 # the right operand by its columns: output column j reads only b[..., j], so
                 # each gets its own range (key tokens of q @ k, channels of attn @ v); the left
                 # by dim 1 (its rows or heads, as a softmax before it groups what it offers)
+                recipe = recipe_of(a) if self.recomputes_maps else None
+                if recipe is not None and recipe.is_map:  # attn @ v: the map is replayed
+                    site = self._site('matmul', {'b': (-1, 1)})
+                    if site is not None:
+                        return MesaMapMatMulFunction.apply(a, b, recipe, *site)
+                if self.recomputes_maps and logits_operands(a, b):
+                    # q @ k: packed per head and channel, offering a recipe of the logits
+                    site = self._site('matmul', {'a': (-1, 1), 'b': (-1, 1)})
+                    if site is not None:
+                        y = MesaLogitsFunction.apply(a, b, *site)
+                        recipe = logits_recipe(y)
+                        if recipe is not None:
+                            offer_map(y, recipe)
+                        return y
                 site = self._site('matmul', {'a': (1, 1), 'b': (-1, 1)})
                 if site is not None:
                     return MesaMatMulFunction.apply(a, b, *site)
@@ -242,6 +312,11 @@ class _Capture(TorchFunctionMode):
             # (K-Net's class masks) are small next to each channel's largest one, below the
             # step of a per-channel range (docs/benchmarks.md, "Gradient fidelity").
             if x is not None and x.requires_grad and x.dim() >= 2 and dim % x.dim() == x.dim() - 1:
+                recipe = recipe_of(x) if self.recomputes_maps else None
+                if recipe is not None:  # logits of q @ k: the map is replayed, not kept
+                    y = MesaMapSoftmaxFunction.apply(x, dim, recipe)
+                    offer_map(y, recipe.then('softmax', dim))
+                    return y
                 site = self._site('softmax', {'output': (1, 1)})
                 if site is not None:
                     return MesaSoftmaxFunction.apply(x, dim, *site)

@@ -1,0 +1,239 @@
+"""Attention written op by op, its maps recomputed in backward instead of kept.
+
+A module that computes attention itself, ``softmax(q @ k.transpose(-2, -1) * scale + bias) @ v``
+(mmpretrain's LeViT, SwinV2's windows), has its matmuls and its softmax routed one by one by the
+generic path; 8-bit probabilities and per-head q were most of such a backbone's gradient error
+(LeViT 0.046, 0.028 with them replayed from q and k packed per head and channel). Converted attention
+(``attention_core``) keeps no map: backward recomputes it from the 8-bit q and k. This does the
+same for the op-by-op form:
+
+- the logits ``q @ k`` are computed by ``MesaLogitsFunction``, which packs q and k per head
+  and channel (as converted attention does) for its own backward, and carry a ``Recipe``,
+  offered through the hand-off ``handoff.MAPS``;
+- each element-wise step with a scalar or a batch-independent operand (a scale, a position
+  bias, a window mask) and each reshape extends it; an operand larger than
+  ``KEPT_OPERAND_FRACTION`` of the logits is kept as codes of its own;
+- the softmax of such logits keeps nothing (``MesaMapSoftmaxFunction``) and offers its
+  output's recipe to the ``attn @ v`` that follows, which keeps only v
+  (``MesaMapMatMulFunction``).
+
+Each backward replays the recipe from the codes in fp32, as converted attention does: the
+forward is torch's, bit for bit. Both backwards run before the logits' own node (they are
+downstream of it), so its codes are still there.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..codes import is_codes
+from ..handoff import MAPS
+from ..quantizer import ActivationQuantizer, unpack
+from ..reuse import packed_reusing
+from ..saved import load, save
+from .attention_core import pack_heads, unpack_heads
+from .autocast import (
+    autocast_inputs,
+    autocast_off,
+    no_autocast_backward,
+    record_input,
+    returns_owned,
+)
+from .formulas import sum_to
+from .softmax import softmax_backward
+
+# A tensor operand of a step (a position bias) at most this fraction of the logits' elements is
+# kept as it is; a larger one (a bias with as many elements as one image's logits, at batch 1 or
+# 2) is packed, so that the recipe never keeps more than the map's own codes would.
+KEPT_OPERAND_FRACTION = 1 / 16
+
+
+def _reshaped(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return x.reshape(shape)
+
+
+def _operand(value: Any) -> Any:
+    if is_codes(value):
+        return unpack(value, torch.float32)
+    return value.float() if isinstance(value, torch.Tensor) else value
+
+
+STEPS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
+    'mul': lambda x, c: x * _operand(c),
+    'add': lambda x, c: x + _operand(c),
+    'sub': lambda x, c: x - _operand(c),
+    'div': lambda x, c: x / _operand(c),
+    'reshape': _reshaped,
+    'softmax': lambda x, dim: F.softmax(x, dim),
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to rebuild a tensor from the codes of logits: ``MesaLogitsFunction.logits(source)``,
+    then ``steps``, each ``(name in STEPS, argument)``."""
+
+    source: Any  # the node of a MesaLogitsFunction call
+    steps: tuple[tuple[str, Any], ...] = ()
+
+    def then(self, step: str, argument: Any) -> Recipe:
+        return Recipe(self.source, (*self.steps, (step, argument)))
+
+    def replay(self) -> torch.Tensor:
+        """The tensor, in fp32, from the source's codes."""
+        x = MesaLogitsFunction.logits(self.source)
+        for step, argument in self.steps:
+            x = STEPS[step](x, argument)
+        return x
+
+    @property
+    def is_map(self) -> bool:
+        """Whether the recipe ends in a softmax (an attention map)."""
+        return bool(self.steps) and self.steps[-1][0] == 'softmax'
+
+
+def offer(t: torch.Tensor, recipe: Recipe) -> None:
+    """Offer ``recipe`` for ``t`` to the next op of the same forward that reads it."""
+    MAPS.offer(t, (recipe, t._version))
+
+
+def recipe_of(t: Any) -> Recipe | None:
+    """The recipe offered for ``t``, unless ``t`` was modified in place since."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    found = MAPS.get(t)
+    if found is None or found[1] != t._version:
+        return None
+    return found[0]
+
+
+def logits_recipe(y: torch.Tensor) -> Recipe | None:
+    """The recipe of a ``MesaLogitsFunction`` output (None for any other tensor)."""
+    node = y.grad_fn
+    if getattr(node, '_forward_cls', None) is not MesaLogitsFunction:
+        return None
+    return Recipe(node)
+
+
+def logits_operands(a: Any, b: Any) -> bool:
+    """Whether ``a @ b`` has the shape of attention logits that ``MesaLogitsFunction`` takes:
+    ``(..., N, d) @ (..., d, M)`` with the same 1 or 2 leading dims (batch, heads)."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dim() == b.dim() and a.dim() in (3, 4) and a.shape[:-2] == b.shape[:-2]
+            and a.shape[-1] == b.shape[-2])
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 4 else t.unsqueeze(1)
+
+
+class MesaLogitsFunction(torch.autograd.Function):
+    """``q @ k`` of attention logits, ``(B, [H,] N, d) @ (B, [H,] d, M)``: q and k (as
+    ``(B, H, M, d)``) packed with one group per head and channel, as converted attention packs
+    them (attention operands have outlier channels), so that a recipe can replay the logits."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, quant_a: ActivationQuantizer,
+                quant_b: ActivationQuantizer) -> torch.Tensor:
+        ac, bc = autocast_inputs(ctx, a, b)
+        with autocast_off(ctx.device_type):
+            y = torch.matmul(ac, bc)
+        ctx.a_meta, ctx.b_meta = (a.shape, a.dtype), (b.shape, b.dtype)
+        ctx.heads = _heads(a).shape[1]
+        save(ctx, pack_heads(_heads(ac), quant_a), pack_heads(_heads(bc).transpose(-2, -1),
+                                                               quant_b))
+        return y
+
+    @staticmethod
+    def operands(node: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoded fp32 q ``(B, H, N, d)`` and k ``(B, H, M, d)`` a call's node keeps."""
+        packed_a, packed_b = load(node)
+        return unpack_heads(packed_a, node.heads), unpack_heads(packed_b, node.heads)
+
+    @staticmethod
+    def logits(node: Any) -> torch.Tensor:
+        """The call's output recomputed in fp32 from its codes, in the output's shape."""
+        q, k = MesaLogitsFunction.operands(node)
+        y = q @ k.transpose(-2, -1)
+        return y if len(node.a_meta[0]) == 4 else y.squeeze(1)
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        q, k = MesaLogitsFunction.operands(ctx)
+        g = _heads(grad.to(torch.float32))
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = (g @ k).reshape(ctx.a_meta[0]).to(ctx.a_meta[1])
+        if ctx.needs_input_grad[1]:
+            grad_b = (q.transpose(-2, -1) @ g).reshape(ctx.b_meta[0]).to(ctx.b_meta[1])
+        return grad_a, grad_b, None, None
+
+
+def step_operand(value: Any, result: torch.Tensor,
+                 quantizer: Callable[[], ActivationQuantizer | None]) -> Any:
+    """What a step keeps of its other operand: a number as it is; a tensor that does not grow
+    with the batch (its leading dim broadcast) as it is when small, packed when larger
+    (``quantizer()`` gives the quantizer); None when the operand cannot be kept."""
+    if not isinstance(value, torch.Tensor):
+        return value if isinstance(value, (int, float)) else None
+    if value.dim() == result.dim() and value.shape[0] != 1 and result.shape[0] != 1:
+        return None  # one per image: keeping it would cost as much as the map
+    value = value.detach()
+    if value.numel() <= KEPT_OPERAND_FRACTION * result.numel() or value.dim() == 0:
+        return value
+    q = quantizer()
+    return None if q is None else q.pack(value)
+
+
+class MesaMapSoftmaxFunction(torch.autograd.Function):
+    """``F.softmax(x, dim)`` of logits with a recipe: keeps nothing, replays the map."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, dim: int, recipe: Recipe) -> torch.Tensor:
+        record_input(ctx, x)
+        ctx.map = recipe.then('softmax', dim)
+        ctx.dim = dim
+        return F.softmax(x, dim)
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad_x = softmax_backward(grad, ctx.map.replay(), ctx.dim)
+        return grad_x.to(ctx.input_dtype), None, None
+
+
+class MesaMapMatMulFunction(torch.autograd.Function):
+    """``attn @ v`` where ``attn`` has a recipe: keeps ``v`` packed and replays ``attn``."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, recipe: Recipe,
+                quant_b: ActivationQuantizer) -> torch.Tensor:
+        ac, bc = autocast_inputs(ctx, a, b)
+        with autocast_off(ctx.device_type):
+            y = torch.matmul(ac, bc)
+        ctx.a_meta, ctx.b_meta = (a.shape, a.dtype), (b.shape, b.dtype)
+        ctx.map = recipe if ctx.needs_input_grad[1] else None
+        save(ctx, packed_reusing(b, bc, quant_b) if ctx.needs_input_grad[0] else None)
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        (packed_b,) = load(ctx)
+        g = grad.to(ctx.compute_dtype)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            b = unpack(packed_b, ctx.compute_dtype)
+            grad_a = sum_to(g @ b.transpose(-2, -1), *ctx.a_meta)
+        if ctx.needs_input_grad[1]:
+            a = ctx.map.replay().to(ctx.compute_dtype)
+            grad_b = sum_to(a.transpose(-2, -1) @ g, *ctx.b_meta)
+        return grad_a, grad_b, None, None
