@@ -2,10 +2,10 @@
 
 A module that computes attention itself, ``softmax(q @ k.transpose(-2, -1) * scale + bias) @ v``
 (mmpretrain's LeViT, SwinV2's windows), has its matmuls and its softmax routed one by one by the
-generic path; 8-bit probabilities and per-head q were most of such a backbone's gradient error
-(LeViT 0.046, 0.028 with them replayed from q and k packed per head and channel). Converted attention
-(``attention_core``) keeps no map: backward recomputes it from the 8-bit q and k. This does the
-same for the op-by-op form:
+generic path; 8-bit probabilities and q packed per head were most of such a backbone's
+gradient error (LeViT 0.046; 0.028 with the map replayed from q and k packed per head and
+channel). Converted attention (``attention_core``) keeps no map: backward recomputes it from the
+8-bit q and k. This does the same for the op-by-op form:
 
 - the logits ``q @ k`` are computed by ``MesaLogitsFunction``, which packs q and k per head
   and channel (as converted attention does) for its own backward, and carry a ``Recipe``,
