@@ -281,6 +281,8 @@ def test_budget_planner_predicts_the_measured_peak(tmp_path):
     table = format_plans(plans, (32, 32))
     assert '51.2 MiB' in table and '102.4 MiB' in table and 'checked' in table
     png = tmp_path / 'fits.png'
+    curve = dict(plan['predicted_curve'])
+    assert curve[plan['max_batch']] == plan['predicted_bytes'] and 0 in curve
     plot_fits([('demo', dict(plans=plans))], str(png))
     assert png.stat().st_size > 10_000
     assert plan['batches'] == [2, 4]

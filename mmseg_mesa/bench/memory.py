@@ -210,6 +210,11 @@ def plan_batches(base: torch.nn.Module, cfg: Any, modes: list[str], mesa_config:
                     phase_peaks_high=high['phase_peaks'],
                     fits=[dict(budget_bytes=b, max_batch=fitted.largest_batch(b),
                                place=fitted.place(fitted.largest_batch(b))) for b in budgets])
+        # the predicted peak is the largest of many lines: convex, piecewise linear
+        largest = max(f['max_batch'] for f in plan['fits']) + 1
+        plan['predicted_curve'] = [[b, fitted.predict(b)] for b in sorted(
+            {0, batch, second, largest, check_batch or 0, *(f['max_batch'] for f in plan['fits']),
+             *range(0, largest, max(1, largest // 32))})]
         checks = [b for b in (plan['max_batch'] if check else None, check_batch) if b]
         for checked in dict.fromkeys(checks):
             print(f'checking {mode} at batch {checked} ...', flush=True)
@@ -407,9 +412,11 @@ def plot_fits(runs: list[tuple[str, dict]], path: str) -> None:
         top = max(budgets) * 1.05
         for i, (mode, p) in enumerate(plans.items()):
             colour = plt.cm.tab10.colors[i % 10]
-            batches = [0, largest + 1]
-            ax.plot(batches, [(p['fixed_bytes'] + p['per_image_bytes'] * b) / gib
-                              for b in batches],
+            # the plan's predicted peaks (every phase's and module call's line), else the
+            # phases' line (plans written before module calls were fitted)
+            curve = p.get('predicted_curve') or [
+                [b, p['fixed_bytes'] + p['per_image_bytes'] * b] for b in (0, largest + 1)]
+            ax.plot([b for b, _ in curve], [peak / gib for _, peak in curve],
                     color=colour, label=f"{mode}: {p['per_image_bytes'] / 2 ** 20:.0f} MiB/image")
             low, high = p['batches']
             ax.scatter([low, high], [max(p['phase_peaks_low'].values()) / gib,
