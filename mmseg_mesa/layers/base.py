@@ -108,9 +108,13 @@ class MesaModule:
         else:
             key = (cls, original)
             if key not in SWAPPED_CLASSES:
-                SWAPPED_CLASSES[key] = type(cls.__name__, (cls, original),
-                                     {'__module__': cls.__module__,
-                                      '__qualname__': f'{cls.__qualname__}[{original.__name__}]'})
+                # named after both: code that recognises a model by its class name (mmseg's
+                # layer-decay optimizer constructor looks for 'BEiT' in the backbone's) still does
+                name = f'{cls.__name__}[{original.__name__}]'
+                SWAPPED_CLASSES[key] = type(name, (cls, original),
+                                            {'__module__': cls.__module__,
+                                             '__qualname__': f'{cls.__qualname__}'
+                                                             f'[{original.__name__}]'})
             target = SWAPPED_CLASSES[key]
         module.__class__ = target
         module.mesa_original_type = original.__name__
