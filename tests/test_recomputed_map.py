@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mmseg_mesa import MesaConfig
@@ -116,15 +117,45 @@ def test_logits_gradients_are_the_matmuls_of_the_decoded_operands():
     kept_q, kept_k = MesaLogitsFunction.operands(y.grad_fn)
     assert kept_q.shape == q.shape and kept_k.shape == (2, 3, 12, 8)
     assert relative(kept_q, q.detach()) < 0.01
+    torch.testing.assert_close(MesaLogitsFunction.logits(y.grad_fn), kept_q @ kept_k.transpose(
+        -2, -1))
     grad = torch.randn_like(y)
     got_q, got_k = torch.autograd.grad(y, (q, k), grad)
     torch.testing.assert_close(got_q, grad @ kept_k)
     torch.testing.assert_close(got_k, kept_q.transpose(-2, -1) @ grad)
-    # a 3-d product (one head) replays as it was computed
-    a = torch.randn(2, 10, 8, requires_grad=True)
-    b = torch.randn(2, 8, 12, requires_grad=True)
-    y = MesaLogitsFunction.apply(a, b, *quantizers)
-    assert MesaLogitsFunction.logits(y.grad_fn).shape == y.shape
+
+
+class SingleHeadBlock(nn.Module):
+    """OCR's and DANet's self-attention block: 3-d ``(B, N, C) @ (B, C, M)`` products."""
+
+    def __init__(self, channels=8):
+        super().__init__()
+        self.channels = channels
+        self.key = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        query = x.flatten(2).transpose(1, 2)
+        key = self.key(x).flatten(2)
+        sim = torch.matmul(query, key)
+        sim = (self.channels ** -.5) * sim
+        sim = F.softmax(sim, dim=-1)
+        return torch.matmul(sim, query).transpose(1, 2).reshape(b, c, h, w)
+
+
+def test_single_head_products_replay_from_their_own_codes(monkeypatch):
+    """A 3-d product keeps its operands' codes as before (``MesaMatMulFunction``); its map is
+    replayed from them."""
+    torch.manual_seed(0)
+    ref = SingleHeadBlock()
+    ours = copy.deepcopy(ref)
+    MesaFunctional.convert(ours, MesaConfig())
+    calls = counting(monkeypatch)
+    x, grad = torch.randn(2, 8, 6, 6), torch.randn(2, 8, 6, 6)
+    got, grads, _ = run(ours, x, grad)
+    want, exact, _ = run(ref, x, grad)
+    assert calls == ['MesaMapSoftmaxFunction', 'MesaMapMatMulFunction']
+    assert torch.equal(got, want) and relative(grads, exact) < 0.02
 
 
 def test_stored_maps_preset_keeps_the_maps(monkeypatch):

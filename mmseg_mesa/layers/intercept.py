@@ -294,18 +294,16 @@ class _Capture(TorchFunctionMode):
                     site = self._site('matmul', {'b': (-1, 1)})
                     if site is not None:
                         return MesaMapMatMulFunction.apply(a, b, recipe, *site)
-                if self.recomputes_maps and logits_operands(a, b):
-                    # q @ k: packed per head and channel, offering a recipe of the logits
-                    site = self._site('matmul', {'a': (-1, 1), 'b': (-1, 1)})
-                    if site is not None:
-                        y = MesaLogitsFunction.apply(a, b, *site)
-                        recipe = logits_recipe(y)
-                        if recipe is not None:
-                            offer_map(y, recipe)
-                        return y
-                site = self._site('matmul', {'a': (1, 1), 'b': (-1, 1)})
+                # multi-head q @ k: packed per head and channel (MesaLogitsFunction); any
+                # product whose node keeps both operands' codes offers a recipe of its output
+                heads = self.recomputes_maps and logits_operands(a, b)
+                site = self._site('matmul', {'a': (-1, 1) if heads else (1, 1), 'b': (-1, 1)})
                 if site is not None:
-                    return MesaMatMulFunction.apply(a, b, *site)
+                    y = (MesaLogitsFunction if heads else MesaMatMulFunction).apply(a, b, *site)
+                    recipe = logits_recipe(y) if self.recomputes_maps else None
+                    if recipe is not None:
+                        offer_map(y, recipe)
+                    return y
         elif func in _SOFTMAXES:
             x, dim = _softmax_args(func, args, kwargs)
             # Rows of attention (the last dim) only: probabilities across the channels of a map

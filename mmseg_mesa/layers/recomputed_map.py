@@ -44,6 +44,7 @@ from .autocast import (
     returns_owned,
 )
 from .formulas import sum_to
+from .matmul import MesaMatMulFunction
 from .softmax import softmax_backward
 
 # A tensor operand of a step (a position bias) at most this fraction of the logits' elements is
@@ -74,10 +75,10 @@ STEPS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
 
 @dataclass(frozen=True)
 class Recipe:
-    """How to rebuild a tensor from the codes of logits: ``MesaLogitsFunction.logits(source)``,
-    then ``steps``, each ``(name in STEPS, argument)``."""
+    """How to rebuild a tensor from the codes of logits (``logits(source)``), then ``steps``,
+    each ``(name in STEPS, argument)``."""
 
-    source: Any  # the node of a MesaLogitsFunction call
+    source: Any  # the node of a MesaLogitsFunction or MesaMatMulFunction call
     steps: tuple[tuple[str, Any], ...] = ()
 
     def then(self, step: str, argument: Any) -> Recipe:
@@ -85,7 +86,7 @@ class Recipe:
 
     def replay(self) -> torch.Tensor:
         """The tensor, in fp32, from the source's codes."""
-        x = MesaLogitsFunction.logits(self.source)
+        x = logits(self.source)
         for step, argument in self.steps:
             x = STEPS[step](x, argument)
         return x
@@ -112,27 +113,36 @@ def recipe_of(t: Any) -> Recipe | None:
 
 
 def logits_recipe(y: torch.Tensor) -> Recipe | None:
-    """The recipe of a ``MesaLogitsFunction`` output (None for any other tensor)."""
+    """The recipe of a ``MesaLogitsFunction`` output, or of a ``MesaMatMulFunction`` output
+    whose node packed both operands; None for any other tensor."""
     node = y.grad_fn
-    if getattr(node, '_forward_cls', None) is not MesaLogitsFunction:
-        return None
-    return Recipe(node)
+    source = getattr(node, '_forward_cls', None)
+    if source is MesaMatMulFunction and all(
+            isinstance(kind, type) for kind, _, _ in node.mesa_layout):
+        return Recipe(node)
+    return Recipe(node) if source is MesaLogitsFunction else None
+
+
+def logits(node: Any) -> torch.Tensor:
+    """The fp32 output of a ``logits_recipe`` source, recomputed from the codes it keeps."""
+    if node._forward_cls is MesaLogitsFunction:
+        return MesaLogitsFunction.logits(node)
+    a, b = load(node)
+    return unpack(a, torch.float32) @ unpack(b, torch.float32)
 
 
 def logits_operands(a: Any, b: Any) -> bool:
-    """Whether ``a @ b`` has the shape of attention logits that ``MesaLogitsFunction`` takes:
-    ``(..., N, d) @ (..., d, M)`` with the same 1 or 2 leading dims (batch, heads)."""
+    """Whether ``a @ b`` has the shape of multi-head attention logits that
+    ``MesaLogitsFunction`` takes: ``(B, H, N, d) @ (B, H, d, M)``. A 3-d product (one head:
+    OCR's, DANet's blocks) stays a ``MesaMatMulFunction``, whose codes of two views of one
+    tensor are one copy (DANet's channel attention), and replays from its codes."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.dim() == b.dim() and a.dim() in (3, 4) and a.shape[:-2] == b.shape[:-2]
+            and a.dim() == b.dim() == 4 and a.shape[:-2] == b.shape[:-2]
             and a.shape[-1] == b.shape[-2])
 
 
-def _heads(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 4 else t.unsqueeze(1)
-
-
 class MesaLogitsFunction(torch.autograd.Function):
-    """``q @ k`` of attention logits, ``(B, [H,] N, d) @ (B, [H,] d, M)``: q and k (as
+    """``q @ k`` of attention logits, ``(B, H, N, d) @ (B, H, d, M)``: q and k (as
     ``(B, H, M, d)``) packed with one group per head and channel, as converted attention packs
     them (attention operands have outlier channels), so that a recipe can replay the logits."""
 
@@ -144,9 +154,8 @@ class MesaLogitsFunction(torch.autograd.Function):
         with autocast_off(ctx.device_type):
             y = torch.matmul(ac, bc)
         ctx.a_meta, ctx.b_meta = (a.shape, a.dtype), (b.shape, b.dtype)
-        ctx.heads = _heads(a).shape[1]
-        save(ctx, pack_heads(_heads(ac), quant_a), pack_heads(_heads(bc).transpose(-2, -1),
-                                                               quant_b))
+        ctx.heads = a.shape[1]
+        save(ctx, pack_heads(ac, quant_a), pack_heads(bc.transpose(-2, -1), quant_b))
         return y
 
     @staticmethod
@@ -159,14 +168,13 @@ class MesaLogitsFunction(torch.autograd.Function):
     def logits(node: Any) -> torch.Tensor:
         """The call's output recomputed in fp32 from its codes, in the output's shape."""
         q, k = MesaLogitsFunction.operands(node)
-        y = q @ k.transpose(-2, -1)
-        return y if len(node.a_meta[0]) == 4 else y.squeeze(1)
+        return q @ k.transpose(-2, -1)
 
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         q, k = MesaLogitsFunction.operands(ctx)
-        g = _heads(grad.to(torch.float32))
+        g = grad.to(torch.float32)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_a = (g @ k).reshape(ctx.a_meta[0]).to(ctx.a_meta[1])
