@@ -15,17 +15,25 @@ from .base import MesaModule
 from .formulas import operand_gradients, sum_to
 
 
+def autocast_matmul(ctx: Any, a: torch.Tensor, b: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.matmul(a, b)`` as autocast runs it, with the operands as it cast them; records
+    ``ctx.a_meta`` and ``ctx.b_meta`` (shape and dtype of each gradient) and the compute dtype."""
+    ac, bc = autocast_inputs(ctx, a, b)
+    with autocast_off(ctx.device_type):
+        y = torch.matmul(ac, bc)
+    ctx.a_meta = (a.shape, a.dtype)
+    ctx.b_meta = (b.shape, b.dtype)
+    return y, ac, bc
+
+
 class MesaMatMulFunction(torch.autograd.Function):
 
     @staticmethod
     @returns_owned
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, quant_a: ActivationQuantizer,
                 quant_b: ActivationQuantizer) -> torch.Tensor:
-        ac, bc = autocast_inputs(ctx, a, b)
-        with autocast_off(ctx.device_type):
-            y = torch.matmul(ac, bc)
-        ctx.a_meta = (a.shape, a.dtype)
-        ctx.b_meta = (b.shape, b.dtype)
+        y, ac, bc = autocast_matmul(ctx, a, b)
         # grad of a needs b and vice versa.
         packed_b = packed_reusing(b, bc, quant_b) if ctx.needs_input_grad[0] else None
         packed_a = packed_reusing(a, ac, quant_a) if ctx.needs_input_grad[1] else None

@@ -36,15 +36,9 @@ from ..quantizer import ActivationQuantizer, unpack
 from ..reuse import packed_reusing
 from ..saved import load, save
 from .attention_core import pack_heads, unpack_heads
-from .autocast import (
-    autocast_inputs,
-    autocast_off,
-    no_autocast_backward,
-    record_input,
-    returns_owned,
-)
+from .autocast import no_autocast_backward, record_input, returns_owned
 from .formulas import sum_to
-from .matmul import MesaMatMulFunction
+from .matmul import MesaMatMulFunction, autocast_matmul
 from .softmax import softmax_backward
 
 # A tensor operand of a step (a position bias) at most this fraction of the logits' elements is
@@ -150,10 +144,7 @@ class MesaLogitsFunction(torch.autograd.Function):
     @returns_owned
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, quant_a: ActivationQuantizer,
                 quant_b: ActivationQuantizer) -> torch.Tensor:
-        ac, bc = autocast_inputs(ctx, a, b)
-        with autocast_off(ctx.device_type):
-            y = torch.matmul(ac, bc)
-        ctx.a_meta, ctx.b_meta = (a.shape, a.dtype), (b.shape, b.dtype)
+        y, ac, bc = autocast_matmul(ctx, a, b)
         ctx.heads = a.shape[1]
         save(ctx, pack_heads(ac, quant_a), pack_heads(bc.transpose(-2, -1), quant_b))
         return y
@@ -224,10 +215,7 @@ class MesaMapMatMulFunction(torch.autograd.Function):
     @returns_owned
     def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, recipe: Recipe,
                 quant_b: ActivationQuantizer) -> torch.Tensor:
-        ac, bc = autocast_inputs(ctx, a, b)
-        with autocast_off(ctx.device_type):
-            y = torch.matmul(ac, bc)
-        ctx.a_meta, ctx.b_meta = (a.shape, a.dtype), (b.shape, b.dtype)
+        y, _, bc = autocast_matmul(ctx, a, b)
         ctx.map = recipe if ctx.needs_input_grad[1] else None
         save(ctx, packed_reusing(b, bc, quant_b) if ctx.needs_input_grad[0] else None)
         return y
