@@ -26,7 +26,8 @@ from .codes import Codes, QuantSpec
 from .handoff import CODES
 from .state import REUSE_COUNTERS as _COUNTING
 
-__all__ = ['ReuseCounts', 'attach_codes', 'attached_codes', 'count_reuse', 'packed_reusing']
+__all__ = ['ReuseCounts', 'attach_codes', 'attached_codes', 'count_reuse', 'offers_codes',
+           'packed_reusing']
 
 
 def attach_codes(x: torch.Tensor, packed: Codes) -> None:
@@ -61,6 +62,12 @@ def attached_codes(x: torch.Tensor, spec: QuantSpec,
         return None
     packed = found[0]
     return packed if dtype in (None, packed.dtype) else replace(packed, dtype=dtype)
+
+
+def offers_codes(x: torch.Tensor) -> bool:
+    """Whether a layer offered codes of ``x`` (a softmax's map) that are still current."""
+    found = CODES.get(x)
+    return found is not None and found[1] == x._version
 
 
 @dataclass

@@ -165,3 +165,35 @@ def test_stored_maps_preset_keeps_the_maps(monkeypatch):
     calls = counting(monkeypatch)
     run(ours, torch.randn(4, 16, 32), torch.randn(4, 16, 32))
     assert not calls
+
+
+class SoftmaxChildAttention(OpByOpAttention):
+    """SwinV2's form: the softmax an ``nn.Softmax`` child, which packs the map itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = self.softmax(q @ k.transpose(-2, -1) * self.scale + self.bias)
+        return (attn @ v).transpose(1, 2).reshape(b, n, c)
+
+
+def test_attn_at_v_reuses_the_codes_of_a_softmax_child(monkeypatch):
+    """A map a converted ``nn.Softmax`` packed is not packed again by ``attn @ v``."""
+    from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa.reuse import count_reuse
+    torch.manual_seed(0)
+    ref = SoftmaxChildAttention()
+    ours = copy.deepcopy(ref)
+    convert_to_mesa(ours, config=MesaConfig())
+    calls = counting(monkeypatch)
+    x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    with count_reuse(ours) as reuse:
+        got, grads, _ = run(ours, x, grad)
+    want, exact, _ = run(ref, x, grad)
+    assert calls == ['MesaLogitsFunction']  # q @ k; attn @ v is a MesaMatMulFunction
+    assert sum(reuse.hits.values()) == 1, reuse.summary()  # attn @ v took the softmax's codes
+    assert torch.equal(got, want) and relative(grads, exact) < 0.02

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..codes import is_codes
 from ..handoff import MAPS
 from ..quantizer import ActivationQuantizer, unpack
-from ..reuse import packed_reusing
+from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
 from .attention_core import pack_heads, unpack_heads
 from .autocast import no_autocast_backward, record_input, returns_owned
@@ -127,12 +127,15 @@ def logits(node: Any) -> torch.Tensor:
 
 def logits_operands(a: Any, b: Any) -> bool:
     """Whether ``a @ b`` has the shape of multi-head attention logits that
-    ``MesaLogitsFunction`` takes: ``(B, H, N, d) @ (B, H, d, M)``. A 3-d product (one head:
-    OCR's, DANet's blocks) stays a ``MesaMatMulFunction``, whose codes of two views of one
-    tensor are one copy (DANet's channel attention), and replays from its codes."""
+    ``MesaLogitsFunction`` takes: ``(B, H, N, d) @ (B, H, d, M)``, and ``a`` is no map a
+    softmax already packed (``attn @ v`` after an ``nn.Softmax`` child: ``MesaMatMulFunction``
+    reuses those codes). A 3-d product (one head: OCR's, DANet's blocks) stays a
+    ``MesaMatMulFunction``, whose codes of two views of one tensor are one copy (DANet's channel
+    attention), and replays from its codes."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.dim() == b.dim() == 4 and a.shape[:-2] == b.shape[:-2]
-            and a.shape[-1] == b.shape[-2])
+            and a.shape[-1] == b.shape[-2] and not offers_codes(a)
+            and type(a.grad_fn).__name__ != 'SoftmaxBackward0')
 
 
 class MesaLogitsFunction(torch.autograd.Function):
