@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmseg_mesa import MesaConfig
-from mmseg_mesa.layers import recomputed_map
+from mmseg_mesa.layers import recomputed_map, softmax
 from mmseg_mesa.layers.intercept import MesaFunctional
 from mmseg_mesa.layers.recomputed_map import MesaLogitsFunction
 from mmseg_mesa.memory import count_saved_tensors
@@ -55,7 +55,7 @@ def relative(a, b):
 def counting(monkeypatch):
     calls = []
     for name in ('MesaLogitsFunction', 'MesaMapSoftmaxFunction', 'MesaMapMatMulFunction'):
-        function = getattr(recomputed_map, name)
+        function = getattr(recomputed_map if hasattr(recomputed_map, name) else softmax, name)
         monkeypatch.setattr(function, 'apply', staticmethod(
             (lambda apply, n: lambda *a: calls.append(n) or apply(*a))(function.apply, name)))
     return calls
@@ -168,25 +168,30 @@ def test_stored_maps_preset_keeps_the_maps(monkeypatch):
 
 
 class SoftmaxChildAttention(OpByOpAttention):
-    """SwinV2's form: the softmax an ``nn.Softmax`` child, which packs the map itself."""
+    """SwinV2's form: the softmax an ``nn.Softmax`` child (converted on its own)."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, variant=None):
+        super().__init__(variant=variant)
         self.softmax = nn.Softmax(dim=-1)
 
     def forward(self, x):
         b, n, c = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        attn = self.softmax(q @ k.transpose(-2, -1) * self.scale + self.bias)
+        attn = q @ k.transpose(-2, -1) * self.scale + self.bias
+        if self.variant == 'in place':
+            attn /= 2
+        attn = self.softmax(attn)
         return (attn @ v).transpose(1, 2).reshape(b, n, c)
 
 
-def test_attn_at_v_reuses_the_codes_of_a_softmax_child(monkeypatch):
-    """A map a converted ``nn.Softmax`` packed is not packed again by ``attn @ v``."""
+@pytest.mark.parametrize('variant', [None, 'in place'])
+def test_a_softmax_child_replays_or_packs_the_map_once(monkeypatch, variant):
+    """A converted ``nn.Softmax`` child replays the map of logits its parent computed; where it
+    must pack the map (logits changed in place), ``attn @ v`` reuses its codes."""
     from mmseg_mesa import convert_to_mesa
     from mmseg_mesa.reuse import count_reuse
     torch.manual_seed(0)
-    ref = SoftmaxChildAttention()
+    ref = SoftmaxChildAttention(variant)
     ours = copy.deepcopy(ref)
     convert_to_mesa(ours, config=MesaConfig())
     calls = counting(monkeypatch)
@@ -194,6 +199,9 @@ def test_attn_at_v_reuses_the_codes_of_a_softmax_child(monkeypatch):
     with count_reuse(ours) as reuse:
         got, grads, _ = run(ours, x, grad)
     want, exact, _ = run(ref, x, grad)
-    assert calls == ['MesaLogitsFunction']  # q @ k; attn @ v is a MesaMatMulFunction
-    assert sum(reuse.hits.values()) == 1, reuse.summary()  # attn @ v took the softmax's codes
+    if variant is None:
+        assert calls == ['MesaLogitsFunction', 'MesaMapSoftmaxFunction', 'MesaMapMatMulFunction']
+    else:  # attn @ v is a MesaMatMulFunction that took the softmax's codes
+        assert calls == ['MesaLogitsFunction']
+        assert sum(reuse.hits.values()) == 1, reuse.summary()
     assert torch.equal(got, want) and relative(grads, exact) < 0.02

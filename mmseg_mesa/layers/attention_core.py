@@ -30,7 +30,7 @@ from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
 from .dropout import dropout_with_mask
-from .softmax import softmax_backward
+from .formulas import softmax_backward
 
 # The quantizers of a module that uses the Function (``MesaModule.mesa_quantizers``): q, k and v
 # viewed as (B, N, H * d), one group per head and channel.

@@ -96,3 +96,10 @@ def weighted_backward(ctx: Any, grad: torch.Tensor,
     if ctx.needs_input_grad[2]:
         grad_b = cast(bias_grad(grad), weight.dtype)
     return (grad_x, grad_w, grad_b, *[None] * (len(ctx.needs_input_grad) - 3))
+
+
+def softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
+    """The input gradient of ``y = softmax(x, dim)``, ``y * (grad - sum(grad * y, dim))``, in
+    ``y``'s dtype: torch's own softmax backward kernel, one fused pass with no full-size
+    temporary besides its result (every Mesa softmax and recomputed attention map use it)."""
+    return torch._softmax_backward_data(grad.to(y.dtype), y, dim, y.dtype)

@@ -45,7 +45,6 @@ from .pooling import MesaLinearPoolFunction
 from .recomputed_map import (
     MesaLogitsFunction,
     MesaMapMatMulFunction,
-    MesaMapSoftmaxFunction,
     logits_operands,
     logits_recipe,
     recipe_of,
@@ -53,7 +52,7 @@ from .recomputed_map import (
 )
 from .recomputed_map import offer as offer_map
 from .sdpa import SDPA_FUNCTIONS, SDPA_ROLES, SDPACall, left_to_torch, mesa_sdpa, packs
-from .softmax import MesaSoftmaxFunction
+from .softmax import MesaMapSoftmaxFunction, MesaSoftmaxFunction
 
 # Element-wise products a module's forward computes itself (layer scale, gated attention).
 declare_layer_type('product')
@@ -312,9 +311,7 @@ class _Capture(TorchFunctionMode):
             if x is not None and x.requires_grad and x.dim() >= 2 and dim % x.dim() == x.dim() - 1:
                 recipe = recipe_of(x) if self.recomputes_maps else None
                 if recipe is not None:  # logits of q @ k: the map is replayed, not kept
-                    y = MesaMapSoftmaxFunction.apply(x, dim, recipe)
-                    offer_map(y, recipe.then('softmax', dim))
-                    return y
+                    return MesaMapSoftmaxFunction.apply(x, dim, recipe)
                 site = self._site('softmax', {'output': (1, 1)})
                 if site is not None:
                     return MesaSoftmaxFunction.apply(x, dim, *site)

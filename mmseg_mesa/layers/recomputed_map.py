@@ -13,9 +13,9 @@ channel). Converted attention (``attention_core``) keeps no map: backward recomp
 - each element-wise step with a scalar or a batch-independent operand (a scale, a position
   bias, a window mask) and each reshape extends it; an operand larger than
   ``KEPT_OPERAND_FRACTION`` of the logits is kept as codes of its own;
-- the softmax of such logits keeps nothing (``MesaMapSoftmaxFunction``) and offers its
-  output's recipe to the ``attn @ v`` that follows, which keeps only v
-  (``MesaMapMatMulFunction``).
+- the softmax of such logits keeps nothing (``softmax.MesaMapSoftmaxFunction``, from a
+  module's own call or an ``nn.Softmax`` child) and offers its output's recipe to the
+  ``attn @ v`` that follows, which keeps only v (``MesaMapMatMulFunction``).
 
 Each backward replays the recipe from the codes in fp32, as converted attention does: the
 forward is torch's, bit for bit. Both backwards run before the logits' own node (they are
@@ -36,10 +36,9 @@ from ..quantizer import ActivationQuantizer, unpack
 from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
 from .attention_core import pack_heads, unpack_heads
-from .autocast import no_autocast_backward, record_input, returns_owned
+from .autocast import no_autocast_backward, returns_owned
 from .formulas import sum_to
 from .matmul import MesaMatMulFunction, autocast_matmul
-from .softmax import softmax_backward
 
 # A tensor operand of a step (a position bias) at most this fraction of the logits' elements is
 # kept as it is; a larger one (a bias with as many elements as one image's logits, at batch 1 or
@@ -191,24 +190,6 @@ def step_operand(value: Any, result: torch.Tensor,
         return value
     q = quantizer()
     return None if q is None else q.pack(value)
-
-
-class MesaMapSoftmaxFunction(torch.autograd.Function):
-    """``F.softmax(x, dim)`` of logits with a recipe: keeps nothing, replays the map."""
-
-    @staticmethod
-    @returns_owned
-    def forward(ctx: Any, x: torch.Tensor, dim: int, recipe: Recipe) -> torch.Tensor:
-        record_input(ctx, x)
-        ctx.map = recipe.then('softmax', dim)
-        ctx.dim = dim
-        return F.softmax(x, dim)
-
-    @staticmethod
-    @no_autocast_backward
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad_x = softmax_backward(grad, ctx.map.replay(), ctx.dim)
-        return grad_x.to(ctx.input_dtype), None, None
 
 
 class MesaMapMatMulFunction(torch.autograd.Function):

@@ -13,6 +13,8 @@ from ..reuse import attach_codes
 from ..saved import SOFTMAX_OUTPUT, load, save
 from .autocast import no_autocast_backward, record_input, returns_owned
 from .base import MesaModule
+from .formulas import softmax_backward
+from .recomputed_map import Recipe, offer, recipe_of
 
 
 class MesaSoftmaxFunction(torch.autograd.Function):
@@ -37,11 +39,24 @@ class MesaSoftmaxFunction(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype), None, None
 
 
-def softmax_backward(grad: torch.Tensor, y: torch.Tensor, dim: int) -> torch.Tensor:
-    """The input gradient of ``y = softmax(x, dim)``, ``y * (grad - sum(grad * y, dim))``, in
-    ``y``'s dtype: torch's own softmax backward kernel, one fused pass with no full-size
-    temporary besides its result (every Mesa softmax and recomputed attention map use it)."""
-    return torch._softmax_backward_data(grad.to(y.dtype), y, dim, y.dtype)
+class MesaMapSoftmaxFunction(torch.autograd.Function):
+    """``F.softmax(x, dim)`` of logits with a recipe: keeps nothing, replays the map."""
+
+    @staticmethod
+    @returns_owned
+    def forward(ctx: Any, x: torch.Tensor, dim: int, recipe: Recipe) -> torch.Tensor:
+        record_input(ctx, x)
+        ctx.map = recipe.then('softmax', dim)
+        ctx.dim = dim
+        y = F.softmax(x, dim)
+        offer(y, ctx.map)  # attn @ v replays the same map
+        return y
+
+    @staticmethod
+    @no_autocast_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad_x = softmax_backward(grad, ctx.map.replay(), ctx.dim)
+        return grad_x.to(ctx.input_dtype), None, None
 
 
 def softmax_dim(dim: int | None, ndim: int) -> int:
@@ -55,7 +70,9 @@ def softmax_dim(dim: int | None, ndim: int) -> int:
 class MesaSoftmax(MesaModule, nn.Softmax):
     """``nn.Softmax`` saving its ``bits``-bit output, one quantization group per index of dim 1.
 
-    For attention maps ``(B, heads, N, N)`` that is one group per head, as in Mesa.
+    For attention maps ``(B, heads, N, N)`` that is one group per head, as in Mesa. Logits with
+    a recipe (``layers.recomputed_map``: SwinV2's attention calls its softmax as a child) keep no
+    map.
     """
 
     mesa_quantizers = {'quant_output': (1, 1)}
@@ -63,4 +80,8 @@ class MesaSoftmax(MesaModule, nn.Softmax):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x) or x.dim() < 2:
             return super().forward(x)
-        return MesaSoftmaxFunction.apply(x, softmax_dim(self.dim, x.dim()), self.quant_output)
+        dim = softmax_dim(self.dim, x.dim())
+        recipe = recipe_of(x) if self.mesa_config.attention_maps == 'recompute' else None
+        if recipe is not None and dim % x.dim() == x.dim() - 1:  # logits a parent computed
+            return MesaMapSoftmaxFunction.apply(x, dim, recipe)
+        return MesaSoftmaxFunction.apply(x, dim, self.quant_output)
