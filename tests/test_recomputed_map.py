@@ -205,3 +205,11 @@ def test_a_softmax_child_replays_or_packs_the_map_once(monkeypatch, variant):
         assert calls == ['MesaLogitsFunction']
         assert sum(reuse.hits.values()) == 1, reuse.summary()
     assert torch.equal(got, want) and relative(grads, exact) < 0.02
+
+
+def test_logits_need_several_keys():
+    """GCNet's context pooling, ``(B, 1, C, N) @ (B, 1, N, 1)``, stays a plain product."""
+    from mmseg_mesa.layers.recomputed_map import logits_operands
+    a, b = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 16, 1)
+    assert not logits_operands(a, b)
+    assert logits_operands(torch.randn(2, 3, 16, 8), torch.randn(2, 3, 8, 16))

@@ -126,14 +126,15 @@ def logits(node: Any) -> torch.Tensor:
 
 def logits_operands(a: Any, b: Any) -> bool:
     """Whether ``a @ b`` has the shape of multi-head attention logits that
-    ``MesaLogitsFunction`` takes: ``(B, H, N, d) @ (B, H, d, M)``, and ``a`` is no map a
+    ``MesaLogitsFunction`` takes: ``(B, H, N, d) @ (B, H, d, M)`` with several keys (GCNet's
+    context pooling, ``(B, 1, C, N) @ (B, 1, N, 1)``, is no attention), and ``a`` is no map a
     softmax already packed (``attn @ v`` after an ``nn.Softmax`` child: ``MesaMatMulFunction``
     reuses those codes). A 3-d product (one head: OCR's, DANet's blocks) stays a
     ``MesaMatMulFunction``, whose codes of two views of one tensor are one copy (DANet's channel
     attention), and replays from its codes."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.dim() == b.dim() == 4 and a.shape[:-2] == b.shape[:-2]
-            and a.shape[-1] == b.shape[-2] and not offers_codes(a)
+            and a.shape[-1] == b.shape[-2] and b.shape[-1] > 1 and not offers_codes(a)
             and type(a.grad_fn).__name__ != 'SoftmaxBackward0')
 
 
