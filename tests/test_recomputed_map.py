@@ -213,3 +213,25 @@ def test_logits_need_several_keys():
     a, b = torch.randn(2, 1, 8, 16), torch.randn(2, 1, 16, 1)
     assert not logits_operands(a, b)
     assert logits_operands(torch.randn(2, 3, 16, 8), torch.randn(2, 3, 8, 16))
+
+
+def test_logits_a_replay_would_miss_by_much_keep_their_map(monkeypatch):
+    """Logits scaled up so far that their 8-bit replay strays by more than
+    ``MAX_REPLAY_ERROR`` (T2T-ViT's first layers) keep an 8-bit map instead."""
+    torch.manual_seed(0)
+    ref = OpByOpAttention()
+    ref.scale = 40.0
+    ours = copy.deepcopy(ref)
+    MesaFunctional.convert(ours, MesaConfig())
+    calls = counting(monkeypatch)
+    errors = []
+    replays = recomputed_map.replays
+    monkeypatch.setattr(softmax, 'replays', lambda r: errors.append(r.error) or replays(r))
+    from mmseg_mesa.layers import intercept
+    monkeypatch.setattr(intercept, 'replays', lambda r: errors.append(r.error) or replays(r))
+    x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    got, grads, _ = run(ours, x, grad)
+    want, exact, _ = run(ref, x, grad)
+    assert errors and min(errors) > recomputed_map.MAX_REPLAY_ERROR
+    assert calls == ['MesaLogitsFunction'] and torch.equal(got, want)
+    assert any(key.endswith('softmax_output') for key in ours.mesa_sites)

@@ -48,6 +48,8 @@ from .recomputed_map import (
     logits_operands,
     logits_recipe,
     recipe_of,
+    replays,
+    step_gain,
     step_operand,
 )
 from .recomputed_map import offer as offer_map
@@ -239,7 +241,7 @@ class _Capture(TorchFunctionMode):
             return
         kept = step_operand(other, result, lambda: self._operand_quantizer(other))
         if kept is not None:
-            offer_map(result, recipe.then(step, kept))
+            offer_map(result, recipe.then(step, kept, step_gain(step, other)))
 
     def _operand_quantizer(self, t: torch.Tensor) -> ActivationQuantizer | None:
         site = self._site('softmax', {'operand': (_product_group_dim(t), 1)})
@@ -299,7 +301,7 @@ class _Capture(TorchFunctionMode):
                 site = self._site('matmul', {'a': (-1, 1) if heads else (1, 1), 'b': (-1, 1)})
                 if site is not None:
                     y = (MesaLogitsFunction if heads else MesaMatMulFunction).apply(a, b, *site)
-                    recipe = logits_recipe(y) if self.recomputes_maps else None
+                    recipe = logits_recipe(y, a, b) if self.recomputes_maps else None
                     if recipe is not None:
                         offer_map(y, recipe)
                     return y
@@ -310,7 +312,7 @@ class _Capture(TorchFunctionMode):
             # step of a per-channel range (docs/benchmarks.md, "Gradient fidelity").
             if x is not None and x.requires_grad and x.dim() >= 2 and dim % x.dim() == x.dim() - 1:
                 recipe = recipe_of(x) if self.recomputes_maps else None
-                if recipe is not None:  # logits of q @ k: the map is replayed, not kept
+                if replays(recipe):  # logits of q @ k: the map is replayed, not kept
                     return MesaMapSoftmaxFunction.apply(x, dim, recipe)
                 site = self._site('softmax', {'output': (1, 1)})
                 if site is not None:

@@ -14,7 +14,7 @@ from ..saved import SOFTMAX_OUTPUT, load, save
 from .autocast import no_autocast_backward, record_input, returns_owned
 from .base import MesaModule
 from .formulas import softmax_backward
-from .recomputed_map import Recipe, offer, recipe_of
+from .recomputed_map import Recipe, offer, recipe_of, replays
 
 
 class MesaSoftmaxFunction(torch.autograd.Function):
@@ -82,6 +82,6 @@ class MesaSoftmax(MesaModule, nn.Softmax):
             return super().forward(x)
         dim = softmax_dim(self.dim, x.dim())
         recipe = recipe_of(x) if self.mesa_config.attention_maps == 'recompute' else None
-        if recipe is not None and dim % x.dim() == x.dim() - 1:  # logits a parent computed
+        if replays(recipe) and dim % x.dim() == x.dim() - 1:  # logits a parent computed
             return MesaMapSoftmaxFunction.apply(x, dim, recipe)
         return MesaSoftmaxFunction.apply(x, dim, self.quant_output)
