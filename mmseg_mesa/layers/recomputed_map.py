@@ -7,15 +7,17 @@ gradient error (LeViT 0.046; 0.028 with the map replayed from q and k packed per
 channel). Converted attention (``attention_core``) keeps no map: backward recomputes it from the
 8-bit q and k. This does the same for the op-by-op form:
 
-- the logits ``q @ k`` are computed by ``MesaLogitsFunction``, which packs q and k per head
-  and channel (as converted attention does) for its own backward, and carry a ``Recipe``,
-  offered through the hand-off ``handoff.MAPS``;
+- multi-head logits ``q @ k`` are computed by ``MesaLogitsFunction``, which packs q and k per
+  head and channel (as converted attention does) for its own backward; single-head ones (OCR's,
+  DANet's blocks) by ``MesaMatMulFunction`` as before. Either carries a ``Recipe``, offered
+  through the hand-off ``handoff.MAPS``, with the replay's error measured on a few rows;
 - each element-wise step with a scalar or a batch-independent operand (a scale, a position
   bias, a window mask) and each reshape extends it; an operand larger than
   ``KEPT_OPERAND_FRACTION`` of the logits is kept as codes of its own;
 - the softmax of such logits keeps nothing (``softmax.MesaMapSoftmaxFunction``, from a
   module's own call or an ``nn.Softmax`` child) and offers its output's recipe to the
-  ``attn @ v`` that follows, which keeps only v (``MesaMapMatMulFunction``).
+  ``attn @ v`` that follows, which keeps only v (``MesaMapMatMulFunction``), unless the replay
+  would stray by more than ``MAX_REPLAY_ERROR`` (then it packs its map as before).
 
 Each backward replays the recipe from the codes in fp32, as converted attention does: the
 forward is torch's, bit for bit. Both backwards run before the logits' own node (they are
