@@ -286,10 +286,10 @@ def test_encoding_saves_its_input_packed_and_recomputes_in_blocks(monkeypatch):
 # Backbones mmseg's configs never name, in mmseg's UPerNet (``bench.backbones``): their own
 # layers go through the generic path. name -> (backbone config, size, worst cosine bound)
 OUTSIDE = {
-    # cosine attention (F.normalize), a position-bias MLP, its logit scale; its bias MLP's
-    # gradient reads 8-bit attention probabilities: 0.981 worst cosine at this draw
+    # cosine attention (F.normalize), a position-bias MLP, its logit scale, an nn.Softmax
+    # child: the map replayed (0.998 worst cosine; 0.981 with 8-bit probabilities)
     'mmpretrain-swinv2-t': (dict(type='mmpretrain.SwinTransformerV2', arch='tiny', img_size=256,
-                                 out_indices=(0, 1, 2, 3)), 256, 0.98),
+                                 out_indices=(0, 1, 2, 3)), 256, 0.99),
     'mmpretrain-davit-t': (dict(type='mmpretrain.DaViT', arch='t', out_indices=(0, 1, 2, 3),
                                 pad_small_map=True), 128, 0.99),
     # timm's own GELU and LayerNorm2d, layer scale as a parameter product
