@@ -416,8 +416,12 @@ def plot_fits(runs: list[tuple[str, dict]], path: str) -> None:
             # phases' line (plans written before module calls were fitted)
             curve = p.get('predicted_curve') or [
                 [b, p['fixed_bytes'] + p['per_image_bytes'] * b] for b in (0, largest + 1)]
+            steepest = p.get('steepest_per_image_bytes', p['per_image_bytes'])
+            label = f"{mode}: {p['per_image_bytes'] / 2 ** 20:.0f} MiB/image" + (
+                f" ({steepest / 2 ** 20:.0f} at large batches)"
+                if steepest > p['per_image_bytes'] * 1.001 else '')
             ax.plot([b for b, _ in curve], [peak / gib for _, peak in curve],
-                    color=colour, label=f"{mode}: {p['per_image_bytes'] / 2 ** 20:.0f} MiB/image")
+                    color=colour, label=label)
             low, high = p['batches']
             ax.scatter([low, high], [max(p['phase_peaks_low'].values()) / gib,
                                      max(p['phase_peaks_high'].values()) / gib], color=colour)
