@@ -226,19 +226,3 @@ def test_a_forward_running_every_child_meets_no_mesa_child():
     assert torch.equal(model(x), reference(x))
     assert type(model) is Stage
 
-
-def test_layer_decay_optimizer_recognises_a_wrapped_backbone():
-    """mmseg's layer-decay constructors find BEiT / MAE / ConvNeXt by the backbone's class name;
-    a backbone the generic path wraps (until its first step) keeps its name in its class's."""
-    from mmseg.engine.optimizers import LearningRateDecayOptimizerConstructor
-    from mmseg.models.backbones import BEiT
-    model = nn.Module()
-    model.backbone = BEiT(img_size=(32, 32), patch_size=16, embed_dims=32, num_layers=2,
-                          num_heads=2, out_indices=(1,))
-    convert_to_mesa(model)
-    assert type(model.backbone).__name__ == 'MesaFunctional[BEiT]'
-    constructor = LearningRateDecayOptimizerConstructor(
-        dict(type='OptimWrapper', optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.05)),
-        dict(num_layers=2, decay_rate=0.9, decay_type='layer_wise'))
-    groups = constructor(model).optimizer.param_groups
-    assert len({g['lr'] for g in groups}) == 3  # decayed by layer

@@ -5,6 +5,7 @@ import pytest
 import torch
 from conftest import cosine
 from mmseg_models import DEIT_S, SWIN_T, batch, build_model, total_loss
+from torch import nn
 
 from mmseg_mesa import MesaModule, convert_to_mesa
 from mmseg_mesa.memory import count_saved_tensors
@@ -159,3 +160,20 @@ def test_composes_with_autocast():
     model = copy.deepcopy(reference)
     convert_to_mesa(model)
     _compare_training_step(reference, model, autocast=True, negligible=1e-3)
+
+
+def test_layer_decay_optimizer_recognises_a_wrapped_backbone():
+    """mmseg's layer-decay constructors find BEiT / MAE / ConvNeXt by the backbone's class name;
+    a backbone the generic path wraps (until its first step) keeps its name in its class's."""
+    from mmseg.engine.optimizers import LearningRateDecayOptimizerConstructor
+    from mmseg.models.backbones import BEiT
+    model = nn.Module()
+    model.backbone = BEiT(img_size=(32, 32), patch_size=16, embed_dims=32, num_layers=2,
+                          num_heads=2, out_indices=(1,))
+    convert_to_mesa(model)
+    assert type(model.backbone).__name__ == 'MesaFunctional[BEiT]'
+    constructor = LearningRateDecayOptimizerConstructor(
+        dict(type='OptimWrapper', optimizer=dict(type='AdamW', lr=1e-3, weight_decay=0.05)),
+        dict(num_layers=2, decay_rate=0.9, decay_type='layer_wise'))
+    groups = constructor(model).optimizer.param_groups
+    assert len({g['lr'] for g in groups}) == 3  # decayed by layer
