@@ -172,7 +172,9 @@ def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
             continue
         original = type(module).__name__
         covered = handler.convert(module, config.for_layer(handler.layer_type, name)) or ()
-        report.converted[name] = (original, type(module).__name__)
+        # the Mesa class by its own name ('MesaFunctional', not 'MesaFunctional[KernelUpdateHead]':
+        # the original type is the entry's first item)
+        report.converted[name] = (original, type(module).__name__.split('[', 1)[0])
         note = getattr(module, 'mesa_note', None)
         if note is not None:
             report.notes[name] = f'{original}: {note}'
