@@ -227,8 +227,8 @@ def main() -> None:
     print('(The step peak counts tensors only: weights, gradients, AdamW state, activations '
           'and\n temporaries, as torch\'s MemTracker follows them; the process RSS, mostly the '
           'libraries,\n is in summary.json as peak_rss_bytes. The largest batch is predicted: '
-          'each phase\'s peak\n fitted as fixed + per image x batch from the steps at the full '
-          'and half batch.)')
+          'the peak of each phase\n and of each module call fitted as fixed + per image x batch '
+          'from the steps at the full\n and half batch, the largest of these lines.)')
     print(f'\ndemo: done in {time.perf_counter() - start:.0f} s; '
           f'wrote {osp.join(work_dir, "summary.json")} and summary.png', flush=True)
 
