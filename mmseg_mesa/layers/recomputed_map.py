@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..codes import is_codes
 from ..handoff import MAPS
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer, sample_range, unpack
 from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
 from .attention_core import pack_heads, unpack_heads
@@ -143,17 +143,33 @@ SAMPLED_ROWS = 8
 
 def sampled_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest difference between the replayed and the forward's logits on the first
-    ``SAMPLED_ROWS`` rows of each image and head."""
+    ``SAMPLED_ROWS`` rows of the first image (each head): only that image's codes are decoded."""
+    batch = a.shape[0] if a.dim() > 2 else 1
     with torch.no_grad():
+        packed_a, packed_b = load(node)
         if node._forward_cls is MesaLogitsFunction:
-            q, k = MesaLogitsFunction.operands(node)
+            q = _first(unpack_heads(_first_codes(packed_a, batch), node.heads), batch)
+            k = _first(unpack_heads(_first_codes(packed_b, batch), node.heads), batch)
             replayed = q[..., :SAMPLED_ROWS, :] @ k.transpose(-2, -1)
         else:
-            packed_a, packed_b = load(node)
-            replayed = (unpack(packed_a, torch.float32)[..., :SAMPLED_ROWS, :]
-                        @ unpack(packed_b, torch.float32))
-        exact = a[..., :SAMPLED_ROWS, :].float() @ b.float()
+            decoded = [_first(unpack(_first_codes(p, batch), torch.float32), batch)
+                       for p in (packed_a, packed_b)]
+            replayed = decoded[0][..., :SAMPLED_ROWS, :] @ decoded[1]
+        exact = (_first(a, batch)[..., :SAMPLED_ROWS, :].float() @ _first(b, batch).float())
         return (replayed - exact).abs().max().item()
+
+
+def _first(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """The first image of a batch-shaped operand; an operand without the batch dim whole."""
+    return t[:1] if t.dim() > 2 and t.shape[0] == batch else t
+
+
+def _first_codes(packed: Any, batch: int) -> Any:
+    """The codes of the first image where the codes allow slicing them (``sample_range``), else
+    all of them."""
+    part = (sample_range(packed, 0, 1)
+            if len(packed.shape) > 2 and packed.shape[0] == batch > 1 else None)
+    return packed if part is None else part
 
 
 def logits(node: Any) -> torch.Tensor:
