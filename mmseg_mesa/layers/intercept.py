@@ -297,7 +297,8 @@ class _Capture(TorchFunctionMode):
                         return MesaMapMatMulFunction.apply(a, b, recipe, *site)
                 # multi-head q @ k: packed per head and channel (MesaLogitsFunction); any
                 # product whose node keeps both operands' codes offers a recipe of its output
-                heads = self.recomputes_maps and logits_operands(a, b)
+                heads = (self.recomputes_maps and logits_operands(a, b)
+                         and not _softmax_output(a))
                 site = self._site('matmul', {'a': (-1, 1) if heads else (1, 1), 'b': (-1, 1)})
                 if site is not None:
                     y = (MesaLogitsFunction if heads else MesaMatMulFunction).apply(a, b, *site)

@@ -27,6 +27,16 @@ def autocast_matmul(ctx: Any, a: torch.Tensor, b: torch.Tensor
     return y, ac, bc
 
 
+def left_gradient(grad: torch.Tensor, b: torch.Tensor, a_meta: tuple) -> torch.Tensor:
+    """The gradient of ``a`` in ``a @ b``, reduced to ``a``'s shape and dtype (``a_meta``)."""
+    return sum_to(grad @ b.transpose(-2, -1), *a_meta)
+
+
+def right_gradient(grad: torch.Tensor, a: torch.Tensor, b_meta: tuple) -> torch.Tensor:
+    """The gradient of ``b`` in ``a @ b``, reduced to ``b``'s shape and dtype (``b_meta``)."""
+    return sum_to(a.transpose(-2, -1) @ grad, *b_meta)
+
+
 class MesaMatMulFunction(torch.autograd.Function):
 
     @staticmethod
@@ -45,8 +55,8 @@ class MesaMatMulFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         return (*operand_gradients(
             ctx, grad.to(ctx.compute_dtype), 0,
-            lambda g, b: sum_to(g @ b.transpose(-2, -1), *ctx.a_meta),
-            lambda g, a: sum_to(a.transpose(-2, -1) @ g, *ctx.b_meta)), None, None)
+            lambda g, b: left_gradient(g, b, ctx.a_meta),
+            lambda g, a: right_gradient(g, a, ctx.b_meta)), None, None)
 
 
 class MatMul(nn.Module):

@@ -40,8 +40,7 @@ from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
 from .attention_core import pack_heads, unpack_heads
 from .autocast import no_autocast_backward, returns_owned
-from .formulas import sum_to
-from .matmul import MesaMatMulFunction, autocast_matmul
+from .matmul import MesaMatMulFunction, autocast_matmul, left_gradient, right_gradient
 
 # A tensor operand of a step (a position bias) at most this fraction of the logits' elements is
 # kept as it is; a larger one (a bias with as many elements as one image's logits, at batch 1 or
@@ -185,13 +184,12 @@ def logits_operands(a: Any, b: Any) -> bool:
     ``MesaLogitsFunction`` takes: ``(B, H, N, d) @ (B, H, d, M)`` with several keys (GCNet's
     context pooling, ``(B, 1, C, N) @ (B, 1, N, 1)``, is no attention), and ``a`` is no map a
     softmax already packed (``attn @ v`` after an ``nn.Softmax`` child: ``MesaMatMulFunction``
-    reuses those codes). A 3-d product (one head: OCR's, DANet's blocks) stays a
-    ``MesaMatMulFunction``, whose codes of two views of one tensor are one copy (DANet's channel
-    attention), and replays from its codes."""
+    reuses those codes; the caller also rules out torch's own softmax output). A 3-d product
+    (one head: OCR's, DANet's blocks) stays a ``MesaMatMulFunction``, whose codes of two views of
+    one tensor are one copy (DANet's channel attention), and replays from its codes."""
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.dim() == b.dim() == 4 and a.shape[:-2] == b.shape[:-2]
-            and a.shape[-1] == b.shape[-2] and b.shape[-1] > 1 and not offers_codes(a)
-            and type(a.grad_fn).__name__ != 'SoftmaxBackward0')
+            and a.shape[-1] == b.shape[-2] and b.shape[-1] > 1 and not offers_codes(a))
 
 
 class MesaLogitsFunction(torch.autograd.Function):
@@ -280,9 +278,7 @@ class MesaMapMatMulFunction(torch.autograd.Function):
         g = grad.to(ctx.compute_dtype)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            b = unpack(packed_b, ctx.compute_dtype)
-            grad_a = sum_to(g @ b.transpose(-2, -1), *ctx.a_meta)
+            grad_a = left_gradient(g, unpack(packed_b, ctx.compute_dtype), ctx.a_meta)
         if ctx.needs_input_grad[1]:
-            a = ctx.map.replay().to(ctx.compute_dtype)
-            grad_b = sum_to(a.transpose(-2, -1) @ g, *ctx.b_meta)
+            grad_b = right_gradient(g, ctx.map.replay().to(ctx.compute_dtype), ctx.b_meta)
         return grad_a, grad_b, None, None
