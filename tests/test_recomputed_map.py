@@ -25,14 +25,20 @@ class OpByOpAttention(nn.Module):
         self.register_buffer('mask', torch.randn(windows, tokens, tokens).clamp(max=0) * 50)
         self.scale = (dim // heads) ** -0.5
 
-    def forward(self, x):
-        b, n, c = x.shape
+    def logits(self, x):
+        """The scaled, biased logits (changed as ``variant`` says) and v."""
+        b, n, _ = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         attn = q @ k.transpose(-2, -1) * self.scale + self.bias
         if self.variant == 'in place':
             attn /= 2
         elif self.variant == 'per image':
             attn = attn + torch.ones(b, 1, 1, 1) * 0.5
+        return attn, v
+
+    def forward(self, x):
+        b, n, c = x.shape
+        attn, v = self.logits(x)
         attn = attn.view(b // self.windows, self.windows, self.heads, n, n)
         attn = (attn + self.mask.unsqueeze(1).unsqueeze(0)).view(b, self.heads, n, n)
         attn = attn.softmax(dim=-1)
@@ -176,10 +182,7 @@ class SoftmaxChildAttention(OpByOpAttention):
 
     def forward(self, x):
         b, n, c = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        attn = q @ k.transpose(-2, -1) * self.scale + self.bias
-        if self.variant == 'in place':
-            attn /= 2
+        attn, v = self.logits(x)
         attn = self.softmax(attn)
         return (attn @ v).transpose(1, 2).reshape(b, n, c)
 
