@@ -20,7 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 V = TypeVar('V')
 
-__all__ = ['CODES', 'MAPS', 'SAVED_LABEL', 'HandOff']
+__all__ = ['CODES', 'FEATURE_MAPS', 'MAPS', 'SAVED_LABEL', 'SCALE_FREE', 'HandOff']
 
 
 class HandOff(Generic[V]):
@@ -58,3 +58,12 @@ SAVED_LABEL: HandOff[str] = HandOff('saved label', 'what this saved tensor is, f
 # scaled and biased forms, the softmax's map) to the next op that reads it (``recomputed_map``).
 MAPS: HandOff[tuple[Any, int]] = HandOff(
     'maps', 'how to rebuild this tensor from codes a matmul keeps, instead of saving it')
+# a ``scale_free.Link``: offered by a convolution for its output, claimed by the training-mode
+# BatchNorm that normalizes it, whose backward leaves there the exact part of the convolution's
+# weight gradient along its weights (``scale_free``).
+SCALE_FREE: HandOff[Any] = HandOff(
+    'scale free', 'a BatchNorm of this conv output tells the conv what it knows of its weights')
+# the tensor's version when offered: a feature map with its channels on dim 1, as a convolution
+# or a norm over channels made it (``layout``).
+FEATURE_MAPS: HandOff[int] = HandOff(
+    'feature maps', 'this tensor has its channels on dim 1')

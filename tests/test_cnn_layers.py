@@ -462,3 +462,50 @@ def test_batch_norm_in_eval_mode_keeps_no_input_for_the_input_gradient(affine, t
         assert mesa.total_bytes <= 0.3 * base.total_bytes
     else:
         assert mesa.total_bytes <= 6 * 4
+
+
+@pytest.mark.parametrize('make', [
+    lambda: nn.Conv2d(8, 8, 9, padding='same', groups=8),  # ConvMixer's depthwise conv
+    lambda: nn.Conv2d(8, 4, 3, padding='same', dilation=2),
+    lambda: nn.Conv2d(8, 4, 3, padding='valid', stride=2),
+    lambda: nn.Conv2d(8, 4, 3, padding='same', padding_mode='reflect'),
+    lambda: nn.Conv1d(8, 4, 5, padding='same'),
+], ids=['same-9', 'same-dilated', 'valid', 'same-reflect', 'conv1d-same'])
+def test_string_padding_runs_as_the_numbers_torch_uses(make):
+    torch.manual_seed(0)
+    exact = make()
+    ours = copy.deepcopy(exact)
+    report = convert_to_mesa(ours)
+    assert not report.left and type(ours).__name__.startswith('Mesa')
+    x = torch.randn(2, 8, *(11, 13)[:exact.weight.dim() - 2])
+    xe, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ye, yo = exact(xe), ours(xo)
+    assert torch.equal(ye, yo)
+    g = torch.randn_like(ye)
+    ye.backward(g)
+    yo.backward(g)
+    assert torch.allclose(xo.grad, xe.grad, atol=1e-5, rtol=1e-4)  # the input gradient is exact
+    assert cosine(ours.weight.grad, exact.weight.grad) > 0.999
+
+
+def test_uneven_same_padding_is_left_with_its_reason():
+    model = nn.Sequential(nn.Conv2d(4, 4, 4, padding='same'), nn.ReLU())
+    report = convert_to_mesa(model)
+    assert type(model[0]) is nn.Conv2d
+    assert 'pads one side more' in report.left['0'][1]
+
+
+@pytest.mark.parametrize('make', [nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh])
+def test_smooth_activations_keep_their_derivative(make):
+    """Codes of the derivative (which spans about one unit) keep the input gradient of a
+    wide-range feature map within 0.6%; codes of a +-45 input gave 1.3-2.8%."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(make())
+    convert_to_mesa(ours)
+    x = torch.randn(4, 16, 12, 12) * 15
+    g = torch.randn_like(x)
+    xe, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    make()(xe).backward(g)
+    reset_rounding_generators()
+    ours(xo).backward(g)
+    assert ((xo.grad - xe.grad).norm() / xe.grad.norm()).item() < 0.006

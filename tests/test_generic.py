@@ -65,6 +65,10 @@ OPS = {
     'div': lambda s, h: h.div(h.norm(2, -1, keepdim=True) + 1),
     'amax': lambda s, h: h.view(2, 4, 4, 32).amax(dim=1),
     'amax-ties': lambda s, h: torch.amax(F.relu(h), dim=(1, 2), keepdim=True) * h,
+    # a graph conv's max over neighbours; torch keeps int64 indices
+    'max-dim': lambda s, h: torch.max(h.view(2, 16, 4, 8) - h.view(2, 16, 4, 8)[..., :1], -1,
+                                      keepdim=True)[0],
+    'min-values': lambda s, h: h.min(dim=1).values,
     'sdpa': lambda s, h: F.scaled_dot_product_attention(
         *(h.reshape(2, 16, 4, 8).transpose(1, 2),) * 3),
 }
@@ -226,3 +230,20 @@ def test_a_forward_running_every_child_meets_no_mesa_child():
     assert torch.equal(model(x), reference(x))
     assert type(model) is Stage
 
+
+
+@pytest.mark.parametrize('candidates,dtype', [(9, torch.uint8), (300, torch.int16)])
+def test_max_over_a_dim_keeps_its_indices_narrow_and_its_gradient_exact(candidates, dtype):
+    from mmseg_mesa.layers.elementwise import MesaMaxDimFunction, index_dtype
+    assert index_dtype(candidates) == dtype
+    x = torch.randn(3, 5, candidates, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with count_saved_tensors() as saved:
+        values, indices = MesaMaxDimFunction.apply(x, -1, False, lambda t: torch.max(t, -1))
+    assert saved.total_bytes == 15 * dtype.itemsize
+    want = torch.max(xr, -1)
+    assert torch.equal(values, want.values) and torch.equal(indices, want.indices)
+    g = torch.randn(3, 5)
+    values.backward(g)
+    want.values.backward(g)
+    assert torch.equal(x.grad, xr.grad)

@@ -1,12 +1,13 @@
 """The activations, each saving only what its backward needs.
 
-- GELU: its input, ``bits``-bit (the Linear after it saves its output as these codes).
+- GELU: its input, ``bits``-bit (the Linear after it saves its output as these codes); after a
+  convolution, its derivative.
 - ReLU: a 1-bit mask.
 - Hardtanh / ReLU6, LeakyReLU, Hardsigmoid: their derivative is piecewise constant, so one bit per
   element says which piece; the gradient is exact.
 - PReLU: the sign bit (input gradient, exact) and the quantized negative part of the input (the
   only part the weight gradient reads).
-- SiLU and Mish (their inputs), Sigmoid and Tanh (their outputs): one quantized copy.
+- SiLU, Mish, Sigmoid and Tanh: one quantized copy of their derivative.
 - Hardswish: one bit for "inside (-3, 3)" and the quantized input clamped to [-3, 3] (outside,
   the derivative is 0 or 1 and the clamped value's sign tells which).
 - ELU: the sign bit and the quantized negative part of the output (``alpha * exp(x) = y + alpha``).
@@ -39,18 +40,38 @@ from .autocast import (
 )
 from .base import MesaModule
 from .formulas import sum_to
+from .layout import channels_first
 from .ownership import owned_gradients
 
 
+def gelu_derivative(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """GELU's derivative at ``x``, by torch's own backward kernel (in fp32 for fp16/bf16)."""
+    x = comparable(x)
+    return torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate=approximate)
+
+
 class MesaGELUFunction(torch.autograd.Function):
+    """GELU keeping its input's codes (offered to the next Linear, which saves the output as
+    these same codes) or, with ``derivative``, its derivative's codes.
+
+    A feature map a convolution or a norm over channels made (``layout.channels_first``) keeps
+    the derivative, grouped per channel: no Linear reads such a map, and the derivative spans
+    [-0.17, 1.13], where 8 bits of a feature map's input range turn GELU's curvature into
+    derivative errors that a deep stack adds up (ConvMixer's 64 GELUs: whole-gradient error
+    0.072 -> 0.023). Tokens keep their input, whose codes the next Linear reuses.
+    """
 
     @staticmethod
     @returns_owned
     def forward(ctx: Any, x: torch.Tensor, approximate: str,
-                quantizer: ActivationQuantizer) -> torch.Tensor:
+                quantizer: ActivationQuantizer, derivative: bool = False) -> torch.Tensor:
         record_input(ctx, x)
         ctx.approximate = approximate
+        ctx.derivative = derivative
         y = F.gelu(x, approximate=approximate)
+        if derivative:
+            save(ctx, quantizer.pack(gelu_derivative(x, approximate)))
+            return y
         packed = quantizer.pack(x)
         save(ctx, packed)
         if isinstance(packed, Packed):  # the next Linear saves y as these codes
@@ -62,22 +83,29 @@ class MesaGELUFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (packed,) = load(ctx)
-        # torch's own GELU backward (one fused pass) on the decoded input, in fp32
-        grad_x = torch.ops.aten.gelu_backward(cast(grad, torch.float32),
-                                              unpack(packed, torch.float32),
-                                              approximate=ctx.approximate)
-        return cast(grad_x, ctx.input_dtype), None, None
+        if ctx.derivative:
+            grad_x = cast(grad, torch.float32) * unpack(packed, torch.float32)
+        else:  # torch's own GELU backward (one fused pass) on the decoded input, in fp32
+            grad_x = torch.ops.aten.gelu_backward(cast(grad, torch.float32),
+                                                  unpack(packed, torch.float32),
+                                                  approximate=ctx.approximate)
+        return cast(grad_x, ctx.input_dtype), None, None, None
 
 
 @mesa_layer(nn.GELU, 'gelu', division=True)
 class MesaGELU(MesaModule, nn.GELU):
-    """``nn.GELU`` whose saved input is quantized per channel group (last dim)."""
+    """``nn.GELU`` whose saved input is quantized per channel group (last dim); a feature map
+    keeps its derivative, per channel (dim 1)."""
 
-    mesa_quantizers = {'quant_input': (-1, None)}
+    mesa_any_mode = True
+
+    mesa_quantizers = {'quant_input': (-1, None), 'quant_derivative': (1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
             return super().forward(x)
+        if channels_first(x):
+            return MesaGELUFunction.apply(x, self.approximate, self.quant_derivative, True)
         return MesaGELUFunction.apply(x, self.approximate, self.quant_input)
 
 
@@ -108,6 +136,8 @@ class MesaReLUFunction(torch.autograd.Function):
 @mesa_layer(nn.ReLU, 'relu')
 class MesaReLU(MesaModule, nn.ReLU):
     """``nn.ReLU`` that saves a 1-bit mask instead of its output."""
+
+    mesa_any_mode = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
@@ -148,6 +178,8 @@ class MesaPiecewiseFunction(torch.autograd.Function):
 class ChannelQuantized(MesaModule):
     """A Mesa activation with one quantized copy, grouped per channel whatever the layout."""
 
+    mesa_any_mode = True
+
     mesa_quantizers = {'quant_channels': (1, None), 'quant_tokens': (-1, None)}
 
     def saved_quantizer(self, x: torch.Tensor) -> ActivationQuantizer:
@@ -157,6 +189,8 @@ class ChannelQuantized(MesaModule):
 @mesa_layer(nn.Hardtanh, 'activation')
 class MesaHardtanh(MesaModule, nn.Hardtanh):
     """``nn.Hardtanh`` saving one bit per element (inside the pass-through range or not)."""
+
+    mesa_any_mode = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
@@ -176,6 +210,8 @@ class MesaReLU6(MesaHardtanh, nn.ReLU6):
 class MesaLeakyReLU(MesaModule, nn.LeakyReLU):
     """``nn.LeakyReLU`` saving the sign bit of its input."""
 
+    mesa_any_mode = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
             return super().forward(x)
@@ -188,6 +224,8 @@ class MesaLeakyReLU(MesaModule, nn.LeakyReLU):
 @mesa_layer(nn.Hardsigmoid, 'activation')
 class MesaHardsigmoid(MesaModule, nn.Hardsigmoid):
     """``nn.Hardsigmoid`` saving one bit per element (inside (-3, 3) or not)."""
+
+    mesa_any_mode = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
@@ -207,7 +245,7 @@ def _mish_derivative(x: torch.Tensor) -> torch.Tensor:
     return t + x * torch.sigmoid(x) * (1.0 - t * t)
 
 
-# name -> (save the output rather than the input, derivative from the saved value in fp32)
+# name -> (derivative from the output rather than the input, the derivative); in fp32
 _SMOOTH: dict[str, tuple[bool, Callable[[torch.Tensor], torch.Tensor]]] = {
     'silu': (False, _silu_derivative),
     'mish': (False, _mish_derivative),
@@ -217,29 +255,34 @@ _SMOOTH: dict[str, tuple[bool, Callable[[torch.Tensor], torch.Tensor]]] = {
 
 
 class MesaSmoothFunction(torch.autograd.Function):
-    """SiLU / Mish / Sigmoid / Tanh keeping one quantized copy (of the input or of the
-    output)."""
+    """SiLU / Mish / Sigmoid / Tanh keeping one quantized copy of their derivative.
+
+    The derivative, not the input: it spans about [-0.1, 1.1] (SiLU, Mish) or less, so 8 bits
+    of it err far less than the derivative of 8-bit inputs spanning a feature map's range (an
+    EfficientNet's SiLU inputs span 10-30, and SiLU's curvature turns each code step into a
+    derivative error of up to a quarter of it). Nothing reuses these codes, so the choice costs
+    no memory; forward computes the derivative once, backward only multiplies.
+    """
 
     @staticmethod
     @returns_owned
     def forward(ctx: Any, x: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                 kind: str, inplace: bool, quantizer: ActivationQuantizer) -> torch.Tensor:
         record_input(ctx, x)
-        ctx.kind = kind
-        from_output, _ = _SMOOTH[kind]
-        packed = None if from_output else quantizer.pack(x)
+        from_output, derivative = _SMOOTH[kind]
+        packed = None if from_output else quantizer.pack(derivative(comparable(x)))
         if inplace:
             ctx.mark_dirty(x)
         y = activation(x)
-        save(ctx, quantizer.pack(y) if from_output else packed)
+        save(ctx, quantizer.pack(derivative(comparable(y))) if from_output else packed)
         return y
 
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (packed,) = load(ctx)
-        derivative = _SMOOTH[ctx.kind][1](unpack(packed, torch.float32))
-        return (grad.float() * derivative).to(ctx.input_dtype), None, None, None, None
+        return ((grad.float() * unpack(packed, torch.float32)).to(ctx.input_dtype),
+                None, None, None, None)
 
 
 @mesa_layer(nn.SiLU, 'activation')
@@ -407,6 +450,8 @@ class MesaPReLUFunction(torch.autograd.Function):
 class MesaPReLU(MesaModule, nn.PReLU):
     """``nn.PReLU``: exact input gradient from the sign bit; the weight gradient reads the
     quantized negative part of the input (grouped per channel, dim 1)."""
+
+    mesa_any_mode = True
 
     mesa_quantizers = {'quant_negative': (1, None)}
 

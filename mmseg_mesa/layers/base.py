@@ -71,6 +71,11 @@ class MesaModule:
     # The layer type whose settings (``MesaConfig.for_layer``: bit width, rounding) a module built
     # directly takes from the config it is given; conversion hands each module its own already.
     mesa_layer_type: str | None = None
+    # A layer whose forward is the same in train and eval mode compresses in either, wherever a
+    # backward will follow: a model may keep trainable modules in eval mode (mmpretrain's ViG
+    # puts its stem there in every training step). Layers whose forward depends on the mode
+    # (dropout, BatchNorm, attention with dropout) compress in train mode only.
+    mesa_any_mode: bool = False
 
     def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
         """Build the torch module from its usual arguments, then attach Mesa."""
@@ -122,8 +127,10 @@ class MesaModule:
         return module
 
     def mesa_active(self, *tensors: torch.Tensor | None) -> bool:
-        """Compress only when something will be saved for backward in a training step."""
-        if not (self.training and self.mesa_config.enabled and torch.is_grad_enabled()):  # type: ignore[attr-defined]
+        """Compress only when something will be saved for backward: grad mode on, an input
+        that needs a gradient, and train mode unless ``mesa_any_mode``."""
+        if not ((self.training or self.mesa_any_mode) and self.mesa_config.enabled  # type: ignore[attr-defined]
+                and torch.is_grad_enabled()):
             return False
         for t in tensors:  # a loop, not any() over a generator: every layer call asks
             if t is not None and t.requires_grad:

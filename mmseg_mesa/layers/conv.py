@@ -10,9 +10,11 @@ from torch import nn
 from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer
 from ..registry import mesa_layer
+from . import scale_free
 from .autocast import no_autocast_backward, returns_owned
 from .base import MesaModule
 from .formulas import weighted_backward, weighted_forward
+from .layout import mark_channels_first
 
 
 def unpad_grad(grad: torch.Tensor, pad: tuple, mode: str, shape: torch.Size) -> torch.Tensor:
@@ -35,8 +37,10 @@ def conv_forward(ctx: Any, conv: Any, x: torch.Tensor, weight: torch.Tensor,
     arguments (stride, padding, dilation, groups) and input shape its backward reads."""
     ctx.conv_args = conv_args
     ctx.input_shape = x.shape
-    return weighted_forward(ctx, lambda xc, wc, bc: conv(xc, wc, bc, *conv_args), x, weight,
-                            bias, quantizer)
+    y = weighted_forward(ctx, lambda xc, wc, bc: conv(xc, wc, bc, *conv_args), x, weight, bias,
+                         quantizer)
+    scale_free.offer(ctx, y)
+    return mark_channels_first(y)
 
 
 class MesaConv2dFunction(torch.autograd.Function):
@@ -76,9 +80,24 @@ class MesaConv2dFunction(torch.autograd.Function):
             conv_bias_grad, None if ctx.explicit_pad else joint)
 
 
+def numeric_padding(padding: Any, kernel_size: tuple, dilation: tuple) -> tuple | None:
+    """``padding`` as numbers per spatial dim: ``'valid'`` is none, ``'same'`` half the kernel's
+    span on each side where that span is even (what torch then runs); None where ``'same'`` pads
+    one side more (an even span: torch pads the input first) or ``padding`` is unknown."""
+    if not isinstance(padding, str):
+        return tuple(padding)
+    if padding == 'valid':
+        return (0,) * len(kernel_size)
+    spans = [d * (k - 1) for k, d in zip(kernel_size, dilation)]
+    if padding != 'same' or any(span % 2 for span in spans):
+        return None
+    return tuple(span // 2 for span in spans)
+
+
 def string_padding_reason(module: nn.Module) -> str | None:
-    if isinstance(module.padding, str):
-        return f'string padding {module.padding!r} is not supported'
+    if numeric_padding(module.padding, module.kernel_size, module.dilation) is None:
+        return (f'string padding {module.padding!r} pads one side more (an even kernel span) '
+                f'and is not supported')
     return None
 
 
@@ -88,14 +107,18 @@ def string_padding_reason(module: nn.Module) -> str | None:
 class MesaConv2d(MesaModule, nn.Conv2d):
     """``nn.Conv2d`` whose saved input is quantized per channel group (dim 1).
 
-    String padding (``'same'``/``'valid'``) is not supported; conversion leaves such layers alone.
+    String padding runs as the numbers torch would use; ``'same'`` with an even kernel span (torch
+    pads the input unevenly first) is not supported, and conversion leaves such layers alone.
     """
+
+    mesa_any_mode = True
 
     mesa_quantizers = {'quant_input': (1, None)}
 
     def mesa_setup(self, config: MesaConfig) -> None:
-        if isinstance(self.padding, str):
-            raise ValueError(f'MesaConv2d: string padding {self.padding!r} is not supported')
+        reason = string_padding_reason(self)
+        if reason is not None:
+            raise ValueError(f'MesaConv2d: {reason}')
         super().mesa_setup(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +129,8 @@ class MesaConv2d(MesaModule, nn.Conv2d):
             return MesaConv2dFunction.apply(
                 x, self.weight, self.bias, self.stride, (0, 0), self.dilation, self.groups,
                 self.quant_input, tuple(self._reversed_padding_repeated_twice), self.padding_mode)
-        return MesaConv2dFunction.apply(x, self.weight, self.bias, self.stride, self.padding,
+        padding = numeric_padding(self.padding, self.kernel_size, self.dilation)
+        return MesaConv2dFunction.apply(x, self.weight, self.bias, self.stride, padding,
                                         self.dilation, self.groups, self.quant_input)
 
 
@@ -142,7 +166,10 @@ def conv1d_reason(module: nn.Conv1d) -> str | None:
 @mesa_layer(nn.Conv1d, 'conv1d', conv1d_reason, replaces=('forward', '_conv_forward'))
 class MesaConv1d(MesaModule, nn.Conv1d):
     """``nn.Conv1d`` (PointRend's point head) whose saved input is quantized per channel group
-    (dim 1). Zero numeric padding only; conversion leaves other layers alone."""
+    (dim 1). Zero padding only (string padding as ``MesaConv2d``); conversion leaves other
+    layers alone."""
+
+    mesa_any_mode = True
 
     mesa_quantizers = {'quant_input': (1, None)}
 
@@ -155,5 +182,6 @@ class MesaConv1d(MesaModule, nn.Conv1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x, self.weight, self.bias) or x.dim() != 3:
             return super().forward(x)
-        return MesaConv1dFunction.apply(x, self.weight, self.bias, self.stride, self.padding,
+        padding = numeric_padding(self.padding, self.kernel_size, self.dilation)
+        return MesaConv1dFunction.apply(x, self.weight, self.bias, self.stride, padding,
                                         self.dilation, self.groups, self.quant_input)

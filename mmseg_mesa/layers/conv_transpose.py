@@ -14,6 +14,7 @@ from .autocast import no_autocast_backward, returns_owned
 from .base import MesaModule
 from .conv import conv_bias_grad
 from .formulas import weighted_backward, weighted_forward
+from .layout import mark_channels_first
 
 
 class MesaConvTranspose2dFunction(torch.autograd.Function):
@@ -32,10 +33,10 @@ class MesaConvTranspose2dFunction(torch.autograd.Function):
                 stride: tuple, padding: tuple, output_padding: tuple, groups: int,
                 dilation: tuple, quantizer: ActivationQuantizer) -> torch.Tensor:
         ctx.conv_args = (stride, padding, dilation, groups)
-        return weighted_forward(
+        return mark_channels_first(weighted_forward(
             ctx, lambda xc, wc, bc: F.conv_transpose2d(xc, wc, bc, stride, padding,
                                                        output_padding, groups, dilation),
-            x, weight, bias, quantizer)
+            x, weight, bias, quantizer))
 
     @staticmethod
     @no_autocast_backward
@@ -63,6 +64,8 @@ class MesaConvTranspose2d(MesaModule, nn.ConvTranspose2d):
 
     Unbatched (3-dim) inputs run the torch path.
     """
+
+    mesa_any_mode = True
 
     mesa_quantizers = {'quant_input': (1, None)}
 

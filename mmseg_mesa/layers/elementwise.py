@@ -1,6 +1,6 @@
 """Element-wise powers and quotients and max-reductions a module computes itself: MetaFormer's
 ``StarReLU`` (``relu(x) ** 2``), hand-written layer norms (``(x - u) / sqrt(s + eps)``), Hiera's
-token pooling (``x.amax(dim)``).
+token pooling (``x.amax(dim)``), graph convolutions' max over neighbours (``torch.max(x, dim)``).
 
 Torch keeps the base of a power and both sides of a quotient at full precision. These Functions
 compute the op with torch's own call, so the forward is torch's to the bit, and keep the base, or
@@ -102,6 +102,38 @@ class MesaAmaxFunction(torch.autograd.Function):
         hits = mask.unpack()
         count = hits.sum(ctx.dims, keepdim=True)
         return mask.select(grad / count), None, None, None
+
+
+def index_dtype(size: int) -> torch.dtype:
+    """The narrowest integer type that holds every index into a dim of ``size``."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if size - 1 <= torch.iinfo(dtype).max:
+            return dtype
+    return torch.int64
+
+
+class MesaMaxDimFunction(torch.autograd.Function):
+    """``torch.max(x, dim, keepdim)`` (or ``min``) by torch's own call, keeping the indices it
+    returns in the narrowest integer type (one byte for up to 256 candidates, where torch keeps
+    eight): backward puts the gradient where they point, as torch's does, so it is exact."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, keepdim: bool,
+                op: Callable[[torch.Tensor], tuple]) -> tuple:
+        ctx.shape, ctx.dim, ctx.keepdim = x.shape, dim % x.dim(), keepdim
+        values, indices = op(x)
+        ctx.mark_non_differentiable(indices)
+        save(ctx, indices.to(index_dtype(x.shape[ctx.dim])))
+        return values, indices
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> tuple:
+        (indices,) = load(ctx)
+        indices = indices.long()
+        if not ctx.keepdim:
+            grad, indices = grad.unsqueeze(ctx.dim), indices.unsqueeze(ctx.dim)
+        out = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return out.scatter_(ctx.dim, indices, grad), None, None, None
 
 
 def _unsqueezed(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from ..reuse import packed_reusing
 from ..saved import load, save
 from .autocast import autocast_inputs, autocast_off, cast
 from .chunking import FUSED_BACKWARD_BYTES, rows_of, summed_over_samples
+from .scale_free import corrected
 
 
 def restore(saved: torch.Tensor | Codes, dtype: torch.dtype) -> torch.Tensor:
@@ -76,6 +77,7 @@ def weighted_backward(ctx: Any, grad: torch.Tensor,
     Returns one gradient per forward argument (None past the first three).
     """
     packed, weight = load(ctx)
+    received = grad
     grad = cast(grad, ctx.compute_dtype)
     w = cast(weight, ctx.compute_dtype)
     needs = ctx.needs_input_grad
@@ -84,13 +86,14 @@ def weighted_backward(ctx: Any, grad: torch.Tensor,
         grad_x, grad_w, grad_b = joint(unpack(packed, grad.dtype), grad, w,
                                        [needs[0], True, needs[2]])
         return (None if grad_x is None else cast(grad_x, ctx.input_dtype),
-                cast(grad_w, weight.dtype),
+                corrected(ctx, received, cast(grad_w, weight.dtype), weight),
                 None if grad_b is None else cast(grad_b, weight.dtype),
                 *[None] * (len(needs) - 3))
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[1]:
-        grad_w = cast(summed_over_samples(
-            packed, lambda x, rows: weight_grad(x, rows_of(grad, rows), w.shape)), weight.dtype)
+        grad_w = corrected(ctx, received, cast(summed_over_samples(
+            packed, lambda x, rows: weight_grad(x, rows_of(grad, rows), w.shape)), weight.dtype),
+            weight)
     if ctx.needs_input_grad[0]:
         grad_x = cast(input_grad(grad, w), ctx.input_dtype)
     if ctx.needs_input_grad[2]:

@@ -23,8 +23,9 @@ from .activations import (
     MesaReLUFunction,
     MesaSmoothFunction,
 )
-from .elementwise import MesaAmaxFunction, MesaDivFunction, MesaPowFunction
+from .elementwise import MesaAmaxFunction, MesaDivFunction, MesaMaxDimFunction, MesaPowFunction
 from .group_norm import MesaGroupNormFunction
+from .layout import channels_first
 from .norm import MesaBatchNormFunction, MesaLayerNormFunction
 from .vector_norm import MesaNormalizeFunction, MesaVectorNormFunction
 
@@ -66,9 +67,11 @@ def _gelu(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
     b = _bind(('input', 'approximate'), dict(approximate='none'), args, kwargs)
     if b is None or not (_activation(b['input']) and _needs_grad(b['input'])):
         return None
-    quantizers = site('gelu', channel_roles(b['input']))
+    derivative = channels_first(b['input'])
+    quantizers = site('gelu', {'derivative': (1, None)} if derivative else
+                      channel_roles(b['input']))
     return None if quantizers is None else MesaGELUFunction.apply(
-        b['input'], b['approximate'], *quantizers)
+        b['input'], b['approximate'], *quantizers, derivative)
 
 
 def _smooth(kind: str, op: Callable, inplace_arg: bool) -> Route:
@@ -238,6 +241,22 @@ def _amax(func: Any) -> Route:
     return route
 
 
+def _max_dim(func: Any) -> Route:
+    """``torch.max(x, dim, keepdim)`` / ``min``: the indices in the narrowest integer type."""
+    def route(site: Site, args: tuple, kwargs: dict) -> Any:
+        b = _bind(('input', 'dim', 'keepdim'), dict(keepdim=False), args, kwargs)
+        if b is None or not isinstance(b['dim'], int) or isinstance(b['keepdim'], torch.Tensor) \
+                or not (_activation(b['input']) and _needs_grad(b['input'])) \
+                or site('pooling', {}) is None:
+            return None
+        dim, keepdim = b['dim'], bool(b['keepdim'])
+        values, indices = MesaMaxDimFunction.apply(b['input'], dim, keepdim,
+                                                   lambda t: func(t, dim, keepdim))
+        kind = torch.return_types.max if 'max' in func.__name__ else torch.return_types.min
+        return kind((values, indices))
+    return route
+
+
 ROUTES: dict[Any, Route] = {
     F.gelu: _gelu, torch._C._nn.gelu: _gelu,
     F.silu: _smooth('silu', F.silu, True),
@@ -255,6 +274,7 @@ ROUTES: dict[Any, Route] = {
     torch.linalg.vector_norm: _vector_norm(torch.linalg.vector_norm),
     **{f: _pow(f) for f in (torch.pow, torch.Tensor.pow, torch.Tensor.__pow__)},
     **{f: _amax(f) for f in (torch.amax, torch.Tensor.amax)},
+    **{f: _max_dim(f) for f in (torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)},
     **{f: _div(f) for f in (torch.div, torch.Tensor.div, torch.Tensor.__truediv__,
                             torch.true_divide, torch.Tensor.true_divide)},
 }

@@ -21,6 +21,7 @@ from ..registry import mesa_layer
 from ..saved import load, save
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
 from .base import MesaModule
+from .layout import mark_channels_first
 from .norm import cast_grads, normalized
 from .norm_backward import NormSets, normalization_backward
 
@@ -43,7 +44,7 @@ class MesaGroupNormFunction(torch.autograd.Function):
         x_norm, rstd = normalized(grouped(x, num_groups), 2, eps)
         save(ctx, quantizer.pack(x_norm.view(x.shape)), rstd, weight, bias)
         del x_norm
-        return y
+        return mark_channels_first(y)
 
     @staticmethod
     @no_autocast_backward
@@ -61,6 +62,8 @@ class MesaGroupNormFunction(torch.autograd.Function):
 class MesaGroupNorm(MesaModule, nn.GroupNorm):
     """``nn.GroupNorm`` saving its normalized input (``bits`` bits, per channel group of dim 1) and
     the exact 1/std per (sample, group)."""
+
+    mesa_any_mode = True
 
     mesa_quantizers = {'quant_input': (1, None)}
 

@@ -34,7 +34,7 @@ from ..training_state import load_estimates
 from .activations import MesaSmoothFunction
 from .autocast import no_autocast_backward, record_input, returns_owned
 from .base import MesaModule, make_quantizer, row_group_config
-from .conv import MesaConv2dFunction
+from .conv import MesaConv2dFunction, numeric_padding
 from .einsum import MesaEinsumFunction, gradient_equations
 from .formulas import operand_gradients, sum_to
 from .functional_routes import ROUTES, is_activation
@@ -390,14 +390,15 @@ class _Capture(TorchFunctionMode):
                 bias: torch.Tensor | None = None, stride: Any = 1, padding: Any = 0,
                 dilation: Any = 1, groups: int = 1) -> torch.Tensor | None:
         """A convolution the module runs with a weight of its own making (K-Net's dynamic
-        kernels); numeric padding only, as ``MesaConv2d``."""
-        if not (is_activation(input) and input.dim() == 4 and weight.requires_grad
-                and not isinstance(padding, str)):
+        kernels); string padding as ``MesaConv2d`` takes it."""
+        if not (is_activation(input) and input.dim() == 4 and weight.requires_grad):
             return None
-        site = self._site('conv2d', {'input': (1, None)})
+        numbers = numeric_padding(padding if isinstance(padding, str) else _pair(padding),
+                                  tuple(weight.shape[2:]), _pair(dilation))
+        site = None if numbers is None else self._site('conv2d', {'input': (1, None)})
         if site is None:
             return None
-        return MesaConv2dFunction.apply(input, weight, bias, _pair(stride), _pair(padding),
+        return MesaConv2dFunction.apply(input, weight, bias, _pair(stride), numbers,
                                         _pair(dilation), groups, *site)
 
     def _grid_sample(self, input: torch.Tensor, grid: torch.Tensor, mode: str = 'bilinear',

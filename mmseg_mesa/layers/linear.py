@@ -41,6 +41,8 @@ class MesaLinearFunction(torch.autograd.Function):
 class MesaLinear(MesaModule, nn.Linear):
     """``nn.Linear`` whose saved input is quantized per channel group (last dim)."""
 
+    mesa_any_mode = True
+
     mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,11 @@ from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_gra
 from ..registry import mesa_layer
 from ..reuse import attach_codes
 from ..saved import load, save
+from . import scale_free
 from .autocast import cast, device_type, no_autocast_backward, record_input, returns_owned
 from .base import MesaModule
 from .chunking import channel_dot
+from .layout import mark_channels_first
 from .norm_backward import NormSets, fits_fused, normalization_backward
 from .norm_backward_owned import batch_norm_backward_into
 from .ownership import owned_gradients
@@ -134,6 +136,8 @@ def affine_codes(packed: Packed, weight: torch.Tensor | None, bias: torch.Tensor
 class MesaLayerNorm(MesaModule, nn.LayerNorm):
     """``nn.LayerNorm`` whose saved normalized input is quantized per channel group (last dim)."""
 
+    mesa_any_mode = True
+
     mesa_quantizers = {'quant_input': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,27 +168,33 @@ class MesaBatchNormFunction(torch.autograd.Function):
                 quantizer: ActivationQuantizer) -> torch.Tensor:
         record_input(ctx, x)
         ctx.eps = eps
+        scale_free.claim(ctx, x, weight)
         y, mean, invstd = batch_norm_with_moments(x, running_mean, running_var, weight, bias,
                                                   momentum, eps)
         save(ctx, pack_channel_normalized(x, mean, invstd, quantizer), invstd, weight, bias)
-        return y
+        return mark_channels_first(y)
 
     @staticmethod
     @owned_gradients
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, invstd, weight, bias = load(ctx)
+        needs = ctx.needs_input_grad[:3]
+        if scale_free.wanted(ctx):  # the weight's gradient tells the conv in front of it
+            needs = (needs[0], True, needs[2])
+        grads = None
         if (ctx.owned_grads[0] and grad.dtype == ctx.input_dtype == torch.float32
                 and not fits_fused(grad)):
             # the input gradient overwrites the incoming one, decoded by chunks
-            grads = batch_norm_backward_into(grad, packed, invstd, ctx.eps, weight, bias,
-                                             ctx.needs_input_grad[:3])
-            if grads is not None:
-                return (*cast_grads(ctx, grads, weight, bias), None, None, None, None, None)
-        x_norm = restandardized(unpack(packed, torch.float32), invstd, ctx.eps)
-        grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight, bias,
-                                       NormSets.channels(), ctx.needs_input_grad[:3])
-        return (*cast_grads(ctx, grads, weight, bias), None, None, None, None, None)
+            grads = batch_norm_backward_into(grad, packed, invstd, ctx.eps, weight, bias, needs)
+        if grads is None:
+            x_norm = restandardized(unpack(packed, torch.float32), invstd, ctx.eps)
+            grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight,
+                                           bias, NormSets.channels(), needs)
+        grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
+        scale_free.leave(ctx, grad_x, grad_w, weight, invstd, ctx.eps)
+        return (grad_x, grad_w if ctx.needs_input_grad[1] else None, grad_b,
+                None, None, None, None, None)
 
 
 def cast_grads(ctx: Any, grads: tuple, weight: torch.Tensor | None,
@@ -323,7 +333,7 @@ class EvalBatchNormFunction(torch.autograd.Function):
                 if ctx.needs_input_grad[3] else None
         ctx.weight_dtype = None if weight is None else weight.dtype
         save(ctx, packed, scale)
-        return y
+        return mark_channels_first(y)
 
     @staticmethod
     @no_autocast_backward

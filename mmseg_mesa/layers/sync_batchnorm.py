@@ -41,6 +41,7 @@ from ..registry import mesa_layer
 from ..saved import load, save
 from .autocast import no_autocast_backward, record_input, returns_owned
 from .base import MesaModule
+from .layout import mark_channels_first
 from .norm import (
     MesaBatchNormFunction,
     batch_norm_momentum,
@@ -128,7 +129,7 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
             packed = quantizer.pack(x_norm) if x.numel() else None
         ctx.count = count
         save(ctx, packed, invstd, weight, bias)
-        return y
+        return mark_channels_first(y)
 
     @staticmethod
     @no_autocast_backward
