@@ -118,6 +118,7 @@ class MesaMaxDimFunction(torch.autograd.Function):
     eight): backward puts the gradient where they point, as torch's does, so it is exact."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, x: torch.Tensor, dim: int, keepdim: bool,
                 op: Callable[[torch.Tensor], tuple]) -> tuple:
         ctx.shape, ctx.dim, ctx.keepdim = x.shape, dim % x.dim(), keepdim
