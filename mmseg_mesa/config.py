@@ -81,8 +81,8 @@ class MesaConfig:
             layer type but those of ``nearest_rounding``. Defaults to True.
         nearest_rounding: Layer types whose codes round to nearest even where
             ``stochastic_rounding`` is True. Defaults to those declared so
-            (``layer_types.default_nearest_rounding()``: ``{'batchnorm'}``); ``()`` rounds every
-            layer stochastically.
+            (``layer_types.default_nearest_rounding()``: ``{'batchnorm', 'gelu',
+            'activation'}``); ``()`` rounds every layer stochastically.
         backend: ``'auto'`` uses the compiled kernels of the tensor's device (CPU or CUDA)
             when they are built, ``'cuda'`` requires the CUDA kernels (and CUDA tensors),
             ``'torch'`` always uses the pure-PyTorch reference; all give the same codes.

@@ -46,11 +46,12 @@ def test_from_cfg_forms():
     assert cfg.bits == 4 and cfg.layers == {'linear', 'gelu'} and cfg.skip == ('decode_head.*',)
 
 
-def test_batch_norm_codes_round_to_nearest_unless_told_otherwise():
+def test_norm_and_activation_codes_round_to_nearest_unless_told_otherwise():
     default = MesaConfig()
-    assert default.nearest_rounding == {'batchnorm'}
-    assert not default.for_layer('batchnorm').stochastic_rounding
-    assert all(default.for_layer(t).stochastic_rounding for t in LAYER_TYPES if t != 'batchnorm')
+    nearest = {'batchnorm', 'gelu', 'activation'}
+    assert default.nearest_rounding == nearest
+    assert not any(default.for_layer(t).stochastic_rounding for t in nearest)
+    assert all(default.for_layer(t).stochastic_rounding for t in LAYER_TYPES if t not in nearest)
     every = MesaConfig(nearest_rounding=())
     assert all(every.for_layer(t).stochastic_rounding for t in LAYER_TYPES)
     none = MesaConfig(stochastic_rounding=False)

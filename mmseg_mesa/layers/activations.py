@@ -92,7 +92,10 @@ class MesaGELUFunction(torch.autograd.Function):
         return cast(grad_x, ctx.input_dtype), None, None, None
 
 
-@mesa_layer(nn.GELU, 'gelu', division=True)
+# GELU's and the other activations' codes round to nearest (``nearest_rounding``): half the
+# variance of stochastic rounding, and over independent batches their errors stayed independent
+# (no bias; docs/benchmarks.md).
+@mesa_layer(nn.GELU, 'gelu', division=True, nearest_rounding=True)
 class MesaGELU(MesaModule, nn.GELU):
     """``nn.GELU`` whose saved input is quantized per channel group (last dim); a feature map
     keeps its derivative, per channel (dim 1)."""
@@ -285,7 +288,7 @@ class MesaSmoothFunction(torch.autograd.Function):
                 None, None, None, None)
 
 
-@mesa_layer(nn.SiLU, 'activation')
+@mesa_layer(nn.SiLU, 'activation', nearest_rounding=True)  # rounding: see GELU's
 class MesaSiLU(ChannelQuantized, nn.SiLU):
     """``nn.SiLU`` whose saved input is quantized per channel."""
 
