@@ -509,3 +509,33 @@ def test_smooth_activations_keep_their_derivative(make):
     reset_rounding_generators()
     ours(xo).backward(g)
     assert ((xo.grad - xe.grad).norm() / xe.grad.norm()).item() < 0.006
+
+
+def test_mode_free_layers_compress_in_eval_mode_inside_a_training_step():
+    """A trainable stem kept in eval mode (mmpretrain's ViG): conv, GELU and Linear compress
+    where a backward follows, bit-identically; dropout stays the identity; under no_grad
+    nothing is packed."""
+    torch.manual_seed(0)
+    exact = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.GELU(),
+                          nn.Dropout(0.5), nn.Conv2d(8, 4, 1))
+    ours = copy.deepcopy(exact)
+    convert_to_mesa(ours)
+    exact.eval()
+    ours.eval()
+    x = torch.randn(2, 3, 16, 16)
+    with count_saved_tensors(exact) as base:
+        want = exact(x)
+    with count_saved_tensors(ours) as mesa:
+        got = ours(x)
+    assert torch.equal(got, want)
+    assert mesa.total_bytes < 0.35 * base.total_bytes
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g)
+    assert cosine(ours[0].weight.grad, exact[0].weight.grad) > 0.999
+    fresh = copy.deepcopy(exact)
+    convert_to_mesa(fresh)
+    fresh.eval()
+    with torch.no_grad():
+        fresh(x)
+    assert all(b.numel() == 0 for n, b in fresh.named_buffers() if n.endswith('seen'))
