@@ -191,3 +191,18 @@ def test_gelu_on_a_feature_map_keeps_its_derivative(functional, norm):
     assert errors[False] < errors[True] / 2, errors
     assert errors[False] < 0.01
     assert saved[False] <= saved[True]
+
+
+def test_a_nearly_silenced_channel_keeps_its_gradients():
+    """A scale branch whose weight is near zero in some channels (MobileOne's, after training a
+    while): their variance is far below BatchNorm's eps, where ``1 - eps / (var + eps)`` in fp32
+    is rounding; their codes keep their own spread, so the BatchNorm's weight gradient and the
+    conv's (which such channels dominate) stay right."""
+    exact, ours = pair()
+    with torch.no_grad():
+        for model in (exact, ours):
+            model.conv.weight[:4] = torch.tensor([2e-7, -1e-4, 3e-4, 1e-6]).view(4, 1, 1, 1)
+    x = torch.randn(2, 16, 16, 16)
+    want, got = gradients(exact, x), gradients(ours, x)
+    assert cosine(got['bn.weight'][:4], want['bn.weight'][:4]) > 0.999
+    assert relative(got['conv.weight'], want['conv.weight']) < 0.02

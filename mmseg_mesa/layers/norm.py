@@ -214,9 +214,15 @@ def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float) -> t
     constant channel finite (two full-size tensors alive), above it in place (one)."""
     if not fits_fused(decoded):
         return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps)
-    spread = normalized_variance(invstd.reshape(-1), eps).sqrt()
-    return torch.native_batch_norm(decoded, spread, None, None, None, True, 0.0,
-                                   RESTANDARDIZE_EPS)[0]
+    target = normalized_variance(invstd.reshape(-1), eps)
+    reliable = target >= RELIABLE_NORMALIZED_VARIANCE
+    out, _, decoded_invstd = torch.native_batch_norm(
+        decoded, torch.where(reliable, target.sqrt(), 1.0), None, None, None, True, 0.0,
+        RESTANDARDIZE_EPS)
+    if not bool(reliable.all()):  # those channels keep the codes' own spread
+        out.mul_(torch.where(reliable, 1.0, decoded_invstd.reciprocal())
+                 .view(channel_shape(decoded)))
+    return out
 
 
 def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
@@ -285,13 +291,23 @@ def normalized_variance(invstd: torch.Tensor, eps: float) -> torch.Tensor:
     return (1.0 - eps * invstd.square()).clamp_min(0.0)
 
 
+# Below this variance of ``x_norm`` (``var / (var + eps)``), ``1 - eps * invstd**2`` is mostly
+# rounding (an fp32 invstd errs by about 1e-7 of itself), and the codes' own variance is the better
+# figure: a channel that a near-zero weight all but silences (a RepVGG-style scale branch) would
+# otherwise be scaled to nothing, and its weight gradient with it.
+RELIABLE_NORMALIZED_VARIANCE = 1e-4
+
+
 def standardize_scale(var: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
-    """The factor that gives centred values of variance ``var`` the variance of ``x_norm``.
+    """The factor that gives centred values of variance ``var`` the variance of ``x_norm`` (1
+    where that variance is below ``RELIABLE_NORMALIZED_VARIANCE``).
 
     Separate from ``standardize`` so that SyncBatchNorm can apply it with moments all-reduced
     over the process group.
     """
-    return torch.sqrt(normalized_variance(invstd, eps) / var.clamp_min(RESTANDARDIZE_EPS))
+    target = normalized_variance(invstd, eps)
+    scale = torch.sqrt(target / var.clamp_min(RESTANDARDIZE_EPS))
+    return torch.where(target >= RELIABLE_NORMALIZED_VARIANCE, scale, 1.0)
 
 
 def batch_norm_momentum(bn: _BatchNorm) -> float:
