@@ -190,7 +190,7 @@ def test_gelu_on_a_feature_map_keeps_its_derivative(functional, norm):
         saved[copied] = report.total_bytes
     assert errors[False] < errors[True] / 2, errors
     assert errors[False] < 0.01
-    assert saved[False] <= saved[True]
+    assert saved[False] <= 1.01 * saved[True]  # one byte per element either way
 
 
 def test_a_nearly_silenced_channel_keeps_its_gradients():

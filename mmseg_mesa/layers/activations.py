@@ -55,10 +55,10 @@ class MesaGELUFunction(torch.autograd.Function):
     these same codes) or, with ``derivative``, its derivative's codes.
 
     A feature map a convolution or a norm over channels made (``layout.channels_first``) keeps
-    the derivative, grouped per channel: no Linear reads such a map, and the derivative spans
-    [-0.17, 1.13], where 8 bits of a feature map's input range turn GELU's curvature into
-    derivative errors that a deep stack adds up (ConvMixer's 64 GELUs: whole-gradient error
-    0.072 -> 0.023). Tokens keep their input, whose codes the next Linear reuses.
+    the derivative: no Linear reads such a map, and the derivative spans [-0.17, 1.13], where 8
+    bits of a feature map's input range turn GELU's curvature into derivative errors that a deep
+    stack adds up (ConvMixer's 64 GELUs: whole-gradient error 0.072 -> 0.023, 0.018 rounded to
+    nearest). Tokens keep their input, whose codes the next Linear reuses.
     """
 
     @staticmethod
@@ -98,11 +98,13 @@ class MesaGELUFunction(torch.autograd.Function):
 @mesa_layer(nn.GELU, 'gelu', division=True, nearest_rounding=True)
 class MesaGELU(MesaModule, nn.GELU):
     """``nn.GELU`` whose saved input is quantized per channel group (last dim); a feature map
-    keeps its derivative, per channel (dim 1)."""
+    keeps its derivative."""
 
     mesa_any_mode = True
 
-    mesa_quantizers = {'quant_input': (-1, None), 'quant_derivative': (1, None)}
+    # derivative codes grouped along the last dim like the input's: the derivative spans the same
+    # range in every channel, and a group per channel costs 8 bytes each on small maps
+    mesa_quantizers = {'quant_input': (-1, None), 'quant_derivative': (-1, None)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):

@@ -68,7 +68,7 @@ def _gelu(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if b is None or not (_activation(b['input']) and _needs_grad(b['input'])):
         return None
     derivative = channels_first(b['input'])
-    quantizers = site('gelu', {'derivative': (1, None)} if derivative else
+    quantizers = site('gelu', {'derivative': (-1, None)} if derivative else
                       channel_roles(b['input']))
     return None if quantizers is None else MesaGELUFunction.apply(
         b['input'], b['approximate'], *quantizers, derivative)
