@@ -219,7 +219,8 @@ def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float) -> t
     out, _, decoded_invstd = torch.native_batch_norm(
         decoded, torch.where(reliable, target.sqrt(), 1.0), None, None, None, True, 0.0,
         RESTANDARDIZE_EPS)
-    if not bool(reliable.all()):  # those channels keep the codes' own spread
+    # those channels keep the codes' own spread (on a GPU without asking, which would wait for it)
+    if not decoded.is_cpu or not bool(reliable.all()):
         out.mul_(torch.where(reliable, 1.0, decoded_invstd.reciprocal())
                  .view(channel_shape(decoded)))
     return out
