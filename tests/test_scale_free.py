@@ -150,9 +150,8 @@ def input_gradient(model, x, g):
     return x.grad
 
 
-@pytest.mark.parametrize('functional', [False, True])
 @pytest.mark.parametrize('norm', ['none', 'batch', 'group'])
-def test_gelu_on_a_feature_map_keeps_its_derivative(functional, norm):
+def test_gelu_on_a_feature_map_keeps_its_derivative(norm):
     """conv (-> BatchNorm / GroupNorm) -> GELU: forward bit-identical, and the gradient through
     the GELU, which keeps its derivative's codes, is much closer to torch's than where it keeps
     its input's (the same map copied first); one byte per element either way."""
@@ -164,11 +163,10 @@ def test_gelu_on_a_feature_map_keeps_its_derivative(functional, norm):
             self.norm = dict(batch=lambda: nn.BatchNorm2d(8), group=lambda: nn.GroupNorm(2, 8),
                              none=nn.Identity)[norm]()
             self.copy = Copy() if copied else nn.Identity()
-            self.act = None if functional else nn.GELU()
+            self.act = nn.GELU()
 
         def forward(self, x):
-            y = self.copy(self.norm(self.conv(x)))
-            return F.gelu(y) if self.act is None else self.act(y)
+            return self.act(self.copy(self.norm(self.conv(x))))
 
     torch.manual_seed(0)
     exact = ConvGELU(False)
@@ -206,3 +204,27 @@ def test_a_nearly_silenced_channel_keeps_its_gradients():
     want, got = gradients(exact, x), gradients(ours, x)
     assert cosine(got['bn.weight'][:4], want['bn.weight'][:4]) > 0.999
     assert relative(got['conv.weight'], want['conv.weight']) < 0.02
+
+
+def test_functional_gelu_on_a_feature_map_offers_its_codes_to_the_conv_after_it():
+    """``F.gelu`` in a module's own forward (timm's conv MLPs): its input's codes, grouped by
+    channel, are what the next conv saves, so the map is kept once."""
+    from mmseg_mesa.reuse import count_reuse
+
+    class ConvMlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Conv2d(8, 32, 1), nn.Conv2d(32, 8, 1)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    exact = ConvMlp()
+    ours = copy.deepcopy(exact)
+    convert_to_mesa(ours)
+    x = torch.randn(2, 8, 12, 12, requires_grad=True)  # inside a network, as its blocks are
+    assert torch.equal(ours(x), exact(x))
+    with count_reuse(ours) as counts:
+        ours(x)
+    assert counts.hits['Conv2d'] == 1

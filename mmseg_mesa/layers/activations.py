@@ -54,11 +54,14 @@ class MesaGELUFunction(torch.autograd.Function):
     """GELU keeping its input's codes (offered to the next Linear, which saves the output as
     these same codes) or, with ``derivative``, its derivative's codes.
 
-    A feature map a convolution or a norm over channels made (``layout.channels_first``) keeps
-    the derivative: no Linear reads such a map, and the derivative spans [-0.17, 1.13], where 8
-    bits of a feature map's input range turn GELU's curvature into derivative errors that a deep
-    stack adds up (ConvMixer's 64 GELUs: whole-gradient error 0.072 -> 0.023, 0.018 rounded to
-    nearest). Tokens keep their input, whose codes the next Linear reuses.
+    ``MesaGELU`` keeps the derivative on a feature map a convolution or a norm over channels made
+    (``layout.channels_first``), where its input's codes, grouped by the last dim (a shape cannot
+    tell a map from tokens), are no codes a conv after it could reuse: the derivative spans
+    [-0.17, 1.13], where 8 bits of a feature map's input range turn GELU's curvature into
+    derivative errors that a deep stack adds up (ConvMixer's 64 GELUs: whole-gradient error
+    0.072 -> 0.023, 0.018 rounded to nearest). Tokens keep their input, whose codes the next
+    Linear reuses, as does ``F.gelu`` in a module's own forward (the generic path groups a
+    feature map's codes by channel, and a conv after it reuses them).
     """
 
     @staticmethod

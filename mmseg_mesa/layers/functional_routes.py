@@ -25,7 +25,6 @@ from .activations import (
 )
 from .elementwise import MesaAmaxFunction, MesaDivFunction, MesaMaxDimFunction, MesaPowFunction
 from .group_norm import MesaGroupNormFunction
-from .layout import channels_first
 from .norm import MesaBatchNormFunction, MesaLayerNormFunction
 from .vector_norm import MesaNormalizeFunction, MesaVectorNormFunction
 
@@ -67,11 +66,12 @@ def _gelu(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
     b = _bind(('input', 'approximate'), dict(approximate='none'), args, kwargs)
     if b is None or not (_activation(b['input']) and _needs_grad(b['input'])):
         return None
-    derivative = channels_first(b['input'])
-    quantizers = site('gelu', {'derivative': (-1, None)} if derivative else
-                      channel_roles(b['input']))
+    # its input's codes, grouped by channel on a feature map: a conv after it saves its output
+    # as those codes (timm's conv MLPs), so they cost nothing there, where derivative codes
+    # would be a second copy
+    quantizers = site('gelu', channel_roles(b['input']))
     return None if quantizers is None else MesaGELUFunction.apply(
-        b['input'], b['approximate'], *quantizers, derivative)
+        b['input'], b['approximate'], *quantizers)
 
 
 def _smooth(kind: str, op: Callable, inplace_arg: bool) -> Route:
