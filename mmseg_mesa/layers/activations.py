@@ -295,7 +295,7 @@ class MesaSmoothFunction(torch.autograd.Function):
 
 @mesa_layer(nn.SiLU, 'activation', nearest_rounding=True)  # rounding: see GELU's
 class MesaSiLU(ChannelQuantized, nn.SiLU):
-    """``nn.SiLU`` whose saved input is quantized per channel."""
+    """``nn.SiLU`` whose derivative is kept quantized per channel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
@@ -306,7 +306,7 @@ class MesaSiLU(ChannelQuantized, nn.SiLU):
 
 @mesa_layer(nn.Mish, 'activation')
 class MesaMish(ChannelQuantized, nn.Mish):
-    """``nn.Mish`` whose saved input is quantized per channel."""
+    """``nn.Mish`` whose derivative is kept quantized per channel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
@@ -317,7 +317,7 @@ class MesaMish(ChannelQuantized, nn.Mish):
 
 @mesa_layer(nn.Sigmoid, 'activation')
 class MesaSigmoid(ChannelQuantized, nn.Sigmoid):
-    """``nn.Sigmoid`` whose saved output is quantized per channel."""
+    """``nn.Sigmoid`` whose derivative is kept quantized per channel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
@@ -328,7 +328,7 @@ class MesaSigmoid(ChannelQuantized, nn.Sigmoid):
 
 @mesa_layer(nn.Tanh, 'activation')
 class MesaTanh(ChannelQuantized, nn.Tanh):
-    """``nn.Tanh`` whose saved output is quantized per channel."""
+    """``nn.Tanh`` whose derivative is kept quantized per channel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
