@@ -234,7 +234,8 @@ def test_a_forward_running_every_child_meets_no_mesa_child():
 
 @pytest.mark.parametrize('candidates,dtype', [(9, torch.uint8), (300, torch.int16)])
 def test_max_over_a_dim_keeps_its_indices_narrow_and_its_gradient_exact(candidates, dtype):
-    from mmseg_mesa.layers.elementwise import MesaMaxDimFunction, index_dtype
+    from mmseg_mesa.layers.elementwise import MesaMaxDimFunction
+    from mmseg_mesa.layers.pooling import index_dtype
     assert index_dtype(candidates) == dtype
     x = torch.randn(3, 5, candidates, requires_grad=True)
     xr = x.detach().clone().requires_grad_()

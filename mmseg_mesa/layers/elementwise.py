@@ -19,6 +19,7 @@ from ..quantizer import ActivationQuantizer, unpack
 from ..saved import PackedMask, load, save
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
 from .formulas import sum_to
+from .pooling import index_dtype
 
 
 class MesaPowFunction(torch.autograd.Function):
@@ -104,18 +105,11 @@ class MesaAmaxFunction(torch.autograd.Function):
         return mask.select(grad / count), None, None, None
 
 
-def index_dtype(size: int) -> torch.dtype:
-    """The narrowest integer type that holds every index into a dim of ``size``."""
-    for dtype in (torch.uint8, torch.int16, torch.int32):
-        if size - 1 <= torch.iinfo(dtype).max:
-            return dtype
-    return torch.int64
-
-
 class MesaMaxDimFunction(torch.autograd.Function):
     """``torch.max(x, dim, keepdim)`` (or ``min``) by torch's own call, keeping the indices it
-    returns in the narrowest integer type (one byte for up to 256 candidates, where torch keeps
-    eight): backward puts the gradient where they point, as torch's does, so it is exact."""
+    returns in the narrowest integer type, as max pooling keeps its positions
+    (``pooling.index_dtype``: one byte for up to 256 candidates, where torch keeps eight):
+    backward puts the gradient where they point, as torch's does, so it is exact."""
 
     @staticmethod
     @returns_owned
