@@ -266,10 +266,11 @@ class MesaSmoothFunction(torch.autograd.Function):
     """SiLU / Mish / Sigmoid / Tanh keeping one quantized copy of their derivative.
 
     The derivative, not the input: it spans about [-0.1, 1.1] (SiLU, Mish) or less, so 8 bits
-    of it err far less than the derivative of 8-bit inputs spanning a feature map's range (an
-    EfficientNet's SiLU inputs span 10-30, and SiLU's curvature turns each code step into a
-    derivative error of up to a quarter of it). Nothing reuses these codes, so the choice costs
-    no memory; forward computes the derivative once, backward only multiplies.
+    of it err far less than the derivative of 8-bit inputs spanning a feature map's range, where
+    the curvature turns each code step into a derivative error (on a +-45 input the input
+    gradient errs by under 0.6% against 1.3-2.8% from input codes; tests/test_cnn_layers.py).
+    Nothing reuses these codes, so the choice costs no memory; forward computes the derivative
+    once, backward only multiplies.
     """
 
     @staticmethod

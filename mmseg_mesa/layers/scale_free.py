@@ -37,7 +37,6 @@ class Link:
     """Between a convolution and the BatchNorm that normalizes its output."""
 
     version: int  # the output's version when offered
-    wanted: bool  # the convolution's weight needs a gradient
     claimed: bool = False
     grad: torch.Tensor | None = None  # the BatchNorm's input gradient, as it returned it
     grad_version: int = 0
@@ -45,11 +44,11 @@ class Link:
 
 
 def offer(ctx: Any, y: torch.Tensor) -> None:
-    """A convolution's forward (output channels on dim 1): let a BatchNorm of ``y`` claim it."""
-    link = Link(y._version, bool(ctx.needs_input_grad[1]))
-    ctx.scale_link = link if link.wanted else None
-    if link.wanted:
-        SCALE_FREE.offer(y, link)
+    """A convolution's forward (output channels on dim 1): let a BatchNorm of ``y`` claim it,
+    where the convolution's weight needs a gradient."""
+    ctx.scale_link = Link(y._version) if ctx.needs_input_grad[1] else None
+    if ctx.scale_link is not None:
+        SCALE_FREE.offer(y, ctx.scale_link)
 
 
 def claim(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None) -> None:
