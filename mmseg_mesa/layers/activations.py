@@ -1,7 +1,7 @@
 """The activations, each saving only what its backward needs.
 
-- GELU: its input, ``bits``-bit (the Linear after it saves its output as these codes); after a
-  convolution, its derivative.
+- GELU: its input, ``bits``-bit (the Linear after it saves its output as these codes); on a
+  feature map a convolution or a norm over channels made (``nn.GELU``), its derivative.
 - ReLU: a 1-bit mask.
 - Hardtanh / ReLU6, LeakyReLU, Hardsigmoid: their derivative is piecewise constant, so one bit per
   element says which piece; the gradient is exact.
