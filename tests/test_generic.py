@@ -181,6 +181,33 @@ def test_a_module_routing_nothing_goes_back_to_its_class_after_its_first_step():
     assert 'routing after a training step' in report.format()
 
 
+def test_a_module_whose_input_needs_no_gradient_routes_what_its_children_made():
+    """The first block after the image: its input needs no gradient, but its own calls read
+    what its children computed from their trainable weights, so they are routed."""
+    class Stem(nn.Module):  # no parameters of its own
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return F.gelu(self.fc(x))
+
+    torch.manual_seed(0)
+    reference = Stem()
+    model = copy.deepcopy(reference)
+    convert_to_mesa(model)
+    x = torch.randn(2, 16, 32)  # no gradient
+    y_ref = reference(x)
+    y = model(x)
+    assert torch.equal(y, y_ref)
+    assert isinstance(model, MesaFunctional)  # its first step routed the gelu
+    with count_saved_tensors(reference) as base:
+        reference(x)
+    with count_saved_tensors(model) as mesa:
+        model(x)
+    assert mesa.by_type['Stem'] < 0.7 * base.by_type['Stem']
+
+
 def test_calls_with_no_route_are_reported_by_op_name():
     class Exp(nn.Module):
         def forward(self, x):

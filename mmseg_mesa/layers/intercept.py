@@ -570,7 +570,9 @@ class MesaFunctional(MesaModule, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if not self.mesa_active(*tensors, *self.parameters(recurse=False)):
+        # its children's parameters too: the first block after the image gets an input that
+        # needs no gradient, but its own calls then read what its children made
+        if not self.mesa_active(*tensors, *self.parameters()):
             return super().forward(*args, **kwargs)
         self.mesa_child_depth = 0
         capture = _Capture(self, probing=self.mesa_probe_pending)
