@@ -58,11 +58,13 @@ SAVED_LABEL: HandOff[str] = HandOff('saved label', 'what this saved tensor is, f
 # scaled and biased forms, the softmax's map) to the next op that reads it (``recomputed_map``).
 MAPS: HandOff[tuple[Any, int]] = HandOff(
     'maps', 'how to rebuild this tensor from codes a matmul keeps, instead of saving it')
-# a ``scale_free.Link``: offered by a convolution for its output, claimed by the training-mode
-# BatchNorm that normalizes it, whose backward leaves there the exact part of the convolution's
-# weight gradient along its weights (``scale_free``).
+# a ``scale_free.Link``: offered by a layer whose parameters scale its output (a convolution, a
+# BatchNorm's affine part), carried on by ops that scale with their input channel by channel
+# (ReLU, a depthwise convolution), claimed by the training-mode BatchNorm that normalizes it,
+# whose backward leaves there the exact part of those parameters' gradients along themselves
+# (``scale_free``).
 SCALE_FREE: HandOff[Any] = HandOff(
-    'scale free', 'a BatchNorm of this conv output tells the conv what it knows of its weights')
+    'scale free', 'a BatchNorm after this tensor tells the layers that scale it what it knows')
 # the tensor's version when offered: a feature map with its channels on dim 1, as a convolution
 # or a norm over channels made it (``layout``).
 FEATURE_MAPS: HandOff[int] = HandOff(

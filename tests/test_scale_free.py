@@ -126,6 +126,95 @@ def test_an_in_place_change_before_the_norm_turns_it_off(monkeypatch):
     assert claimed == [True, False]
 
 
+class Expansion(nn.Module):
+    """MobileNet's expansion: 1x1 conv -> BatchNorm -> ReLU -> 3x3 depthwise conv -> BatchNorm;
+    ``reader`` also reads the ReLU's output, ``dw_bias`` gives the depthwise conv a bias."""
+
+    def __init__(self, channels=16, inplace=True, reader=False, dw_bias=False, functional=False):
+        super().__init__()
+        self.expand = nn.Conv2d(8, channels, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.act = nn.ReLU(inplace=inplace)
+        self.dw = nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=dw_bias)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.head = nn.Conv2d(channels, 8, 1)
+        self.reader, self.functional = reader, functional
+
+    def forward(self, x):
+        y = self.bn1(self.expand(x))
+        z = F.relu(y) if self.functional else self.act(y)
+        out = self.head(torch.relu(self.bn2(self.dw(z))))
+        return out + z[:, :8] if self.reader else out
+
+
+def expansion_pair(**kwargs):
+    torch.manual_seed(0)
+    exact = Expansion(**kwargs)
+    ours = copy.deepcopy(exact)
+    convert_to_mesa(ours)
+    return exact, ours
+
+
+def without_chain(monkeypatch):
+    monkeypatch.setattr(scale_free, 'carry', lambda ctx, x: setattr(ctx, 'scale_carried', None))
+
+
+@pytest.mark.parametrize('inplace', [True, False])
+def test_batch_norm_before_relu_and_depthwise_conv_follows_the_next_batch_norm(
+        monkeypatch, inplace):
+    """BatchNorm -> ReLU -> depthwise conv -> BatchNorm: scaling the first BatchNorm's (gamma,
+    beta) in a channel only scales what the second normalizes, so with beta = 0 (at init) its
+    exact weight gradient is only what the second's epsilon leaves, which 8-bit codes swamp;
+    the chain sets that part exactly."""
+    exact, ours = expansion_pair(inplace=inplace)
+    x = torch.randn(2, 8, 12, 12)
+    want, got = gradients(exact, x), gradients(ours, x)
+    assert relative(got['bn1.weight'], want['bn1.weight']) < 0.01
+    assert relative(got['bn1.bias'], want['bn1.bias']) < 0.02
+    for name in want:
+        assert relative(got[name], want[name]) < 0.02, name
+    without_chain(monkeypatch)
+    plain = gradients(ours, x)
+    assert relative(plain['bn1.weight'], want['bn1.weight']) > 0.5  # what the chain fixes
+
+
+def test_the_chain_holds_part_along_gamma_and_beta_exactly():
+    """With beta != 0 the part along (gamma, beta) per channel is set; the rest keeps its
+    8-bit error."""
+    exact, ours = expansion_pair()
+    with torch.no_grad():
+        exact.bn1.bias.uniform_(-0.5, 0.5)
+        ours.bn1.bias.copy_(exact.bn1.bias)
+    x = torch.randn(2, 8, 12, 12)
+    want, got = gradients(exact, x), gradients(ours, x)
+    g, b = exact.bn1.weight.detach(), exact.bn1.bias.detach()
+    along_want = want['bn1.weight'] * g + want['bn1.bias'] * b
+    along_got = got['bn1.weight'] * g + got['bn1.bias'] * b
+    scale = (want['bn1.weight'] ** 2 + want['bn1.bias'] ** 2).sqrt() * (g * g + b * b).sqrt()
+    assert ((along_got - along_want).abs() / scale).max() < 1e-3
+
+
+@pytest.mark.parametrize('kwargs', [dict(reader=True), dict(dw_bias=True)])
+def test_a_second_reader_or_a_biased_depthwise_conv_breaks_the_chain(monkeypatch, kwargs):
+    """The ReLU's output also feeds a residual, or the depthwise conv adds a bias (it no longer
+    scales with its input): the first BatchNorm's gradients are as without the chain."""
+    exact, ours = expansion_pair(**kwargs)
+    x = torch.randn(2, 8, 8, 8)
+    got = gradients(ours, x)
+    without_chain(monkeypatch)
+    plain = gradients(ours, x)
+    assert torch.equal(got['bn1.weight'], plain['bn1.weight'])
+    assert torch.equal(got['bn1.bias'], plain['bn1.bias'])
+
+
+def test_functional_relu_carries_the_chain(monkeypatch):
+    """``F.relu`` in a module's own forward (the generic path) passes the chain on too."""
+    exact, ours = expansion_pair(functional=True)
+    x = torch.randn(2, 8, 12, 12)
+    want, got = gradients(exact, x), gradients(ours, x)
+    assert relative(got['bn1.weight'], want['bn1.weight']) < 0.01
+
+
 def test_autocast_bf16_keeps_the_correction():
     exact, ours = pair()
     x = torch.randn(2, 16, 16, 16) * 3 + 1

@@ -38,6 +38,7 @@ from .autocast import (
     record_input,
     returns_owned,
 )
+from . import scale_free
 from .base import MesaModule
 from .formulas import sum_to
 from .layout import channels_first
@@ -124,21 +125,27 @@ class MesaReLUFunction(torch.autograd.Function):
     @staticmethod
     @returns_owned
     def forward(ctx: Any, x: torch.Tensor, inplace: bool) -> torch.Tensor:
+        scale_free.carry(ctx, x)  # relu(s * x) = s * relu(x)
         if inplace:
             ctx.mark_dirty(x)
             y = torch.relu_(x)
         else:
             y = torch.relu(x)
         save(ctx, PackedMask.positive(y))
+        scale_free.offer(ctx, y, source=False, dirty=inplace)
         return y
 
     @staticmethod
     @owned_gradients
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         (mask,) = load(ctx)
+        received = scale_free.receives(ctx, grad)
         if ctx.owned_grads[0] and grad.shape == mask.shape:
-            return mask.select_(grad), None
-        return mask.select(grad), None
+            grad_x = mask.select_(grad)
+        else:
+            grad_x = mask.select(grad)
+        scale_free.carry_back(ctx, received, grad_x)
+        return grad_x, None
 
 
 @mesa_layer(nn.ReLU, 'relu')

@@ -37,10 +37,28 @@ def conv_forward(ctx: Any, conv: Any, x: torch.Tensor, weight: torch.Tensor,
     arguments (stride, padding, dilation, groups) and input shape its backward reads."""
     ctx.conv_args = conv_args
     ctx.input_shape = x.shape
+    ctx.scale_bias = None if bias is None else bias.detach()
     y = weighted_forward(ctx, lambda xc, wc, bc: conv(xc, wc, bc, *conv_args), x, weight, bias,
                          quantizer)
-    scale_free.offer(ctx, y)
+    scale_free.offer(ctx, y, source=ctx.needs_input_grad[1])
     return mark_channels_first(y)
+
+
+def carry_if_depthwise(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None, groups: int) -> None:
+    """A depthwise convolution without bias (one input channel per output channel) scales
+    each channel with its input's: it passes on the input's ``scale_free`` link."""
+    ctx.scale_carried = None
+    if bias is None and groups == x.shape[1] == weight.shape[0]:
+        scale_free.carry(ctx, x)
+
+
+def conv_backward(ctx: Any, grad: torch.Tensor, *formulas: Any) -> tuple:
+    """``weighted_backward(ctx, grad, *formulas)``, passing the ``scale_free`` chain on."""
+    received = scale_free.receives(ctx, grad)
+    grads = weighted_backward(ctx, grad, *formulas)
+    scale_free.carry_back(ctx, received, grads[0])
+    return grads
 
 
 class MesaConv2dFunction(torch.autograd.Function):
@@ -53,6 +71,7 @@ class MesaConv2dFunction(torch.autograd.Function):
                 quantizer: ActivationQuantizer, explicit_pad: tuple | None = None,
                 pad_mode: str = 'zeros') -> torch.Tensor:
         ctx.explicit_pad = (explicit_pad, pad_mode, x.shape) if explicit_pad else None
+        carry_if_depthwise(ctx, x, weight, bias, groups)
         if explicit_pad:
             # Reflect/replicate/circular padding: torch's pad would save the unpadded input in
             # full precision, so we pad here and undo it in backward.
@@ -74,7 +93,7 @@ class MesaConv2dFunction(torch.autograd.Function):
                 grad, x, w, [w.shape[0]] if needs[2] else None, stride, padding, dilation,
                 False, [0, 0], groups, needs)
 
-        return weighted_backward(
+        return conv_backward(
             ctx, grad, input_grad,
             lambda x, grad, shape: torch.nn.grad.conv2d_weight(x, shape, grad, *ctx.conv_args),
             conv_bias_grad, None if ctx.explicit_pad else joint)
@@ -142,13 +161,14 @@ class MesaConv1dFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 stride: tuple, padding: tuple, dilation: tuple, groups: int,
                 quantizer: ActivationQuantizer) -> torch.Tensor:
+        carry_if_depthwise(ctx, x, weight, bias, groups)
         return conv_forward(ctx, F.conv1d, x, weight, bias, (stride, padding, dilation, groups),
                             quantizer)
 
     @staticmethod
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return weighted_backward(
+        return conv_backward(
             ctx, grad,
             lambda grad, w: torch.nn.grad.conv1d_input(ctx.input_shape, w, grad, *ctx.conv_args),
             lambda x, grad, shape: torch.nn.grad.conv1d_weight(x, shape, grad, *ctx.conv_args),

@@ -77,6 +77,7 @@ def weighted_backward(ctx: Any, grad: torch.Tensor,
     Returns one gradient per forward argument (None past the first three).
     """
     packed, weight = load(ctx)
+    bias = getattr(ctx, 'scale_bias', None)  # a convolution's, for its scale_free correction
     received = grad
     grad = cast(grad, ctx.compute_dtype)
     w = cast(weight, ctx.compute_dtype)
@@ -86,14 +87,14 @@ def weighted_backward(ctx: Any, grad: torch.Tensor,
         grad_x, grad_w, grad_b = joint(unpack(packed, grad.dtype), grad, w,
                                        [needs[0], True, needs[2]])
         return (None if grad_x is None else cast(grad_x, ctx.input_dtype),
-                corrected(ctx, received, cast(grad_w, weight.dtype), weight),
+                corrected(ctx, received, cast(grad_w, weight.dtype), weight, bias),
                 None if grad_b is None else cast(grad_b, weight.dtype),
                 *[None] * (len(needs) - 3))
     grad_x = grad_w = grad_b = None
     if ctx.needs_input_grad[1]:
         grad_w = corrected(ctx, received, cast(summed_over_samples(
             packed, lambda x, rows: weight_grad(x, rows_of(grad, rows), w.shape)), weight.dtype),
-            weight)
+            weight, bias)
     if ctx.needs_input_grad[0]:
         grad_x = cast(input_grad(grad, w), ctx.input_dtype)
     if ctx.needs_input_grad[2]:

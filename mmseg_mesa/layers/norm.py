@@ -172,6 +172,7 @@ class MesaBatchNormFunction(torch.autograd.Function):
         y, mean, invstd = batch_norm_with_moments(x, running_mean, running_var, weight, bias,
                                                   momentum, eps)
         save(ctx, pack_channel_normalized(x, mean, invstd, quantizer), invstd, weight, bias)
+        scale_free.offer(ctx, y, source=weight is not None and ctx.needs_input_grad[1])
         return mark_channels_first(y)
 
     @staticmethod
@@ -179,9 +180,12 @@ class MesaBatchNormFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, invstd, weight, bias = load(ctx)
+        exact = scale_free.target(ctx, grad)  # before the input gradient overwrites grad
         needs = ctx.needs_input_grad[:3]
         if scale_free.wanted(ctx):  # the weight's gradient tells the conv in front of it
             needs = (needs[0], True, needs[2])
+        if exact is not None:  # the affine part's gradient is corrected along itself
+            needs = (needs[0], needs[1], True)
         grads = None
         if (ctx.owned_grads[0] and grad.dtype == ctx.input_dtype == torch.float32
                 and not fits_fused(grad)):
@@ -192,9 +196,10 @@ class MesaBatchNormFunction(torch.autograd.Function):
             grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight,
                                            bias, NormSets.channels(), needs)
         grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
+        grad_w, grad_b = scale_free.corrected_affine(exact, grad_w, grad_b, weight, bias)
         scale_free.leave(ctx, grad_x, grad_w, weight, invstd, ctx.eps)
-        return (grad_x, grad_w if ctx.needs_input_grad[1] else None, grad_b,
-                None, None, None, None, None)
+        return (grad_x, grad_w if ctx.needs_input_grad[1] else None,
+                grad_b if ctx.needs_input_grad[2] else None, None, None, None, None, None)
 
 
 def cast_grads(ctx: Any, grads: tuple, weight: torch.Tensor | None,
