@@ -225,6 +225,16 @@ def test_autocast_bf16_keeps_the_correction():
     assert cosine(got, want) > 0.999
 
 
+def test_autocast_bf16_keeps_the_chain():
+    exact, ours = expansion_pair()
+    x = torch.randn(2, 8, 12, 12)
+    want = gradients(exact, x)['bn1.weight']
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        got = gradients(ours, x)['bn1.weight']
+    assert got.dtype == torch.float32
+    assert relative(got, want) < 0.05  # without the chain: > 0.5
+
+
 class Copy(nn.Module):
     """A map no convolution made (its values are)."""
 
