@@ -50,9 +50,10 @@ def relative(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def pair(**kwargs):
+def pair(model_type=None, **kwargs):
+    """A model (``ConvNorm`` unless given) and its converted copy."""
     torch.manual_seed(0)
-    exact = ConvNorm(**kwargs)
+    exact = (model_type or ConvNorm)(**kwargs)
     ours = copy.deepcopy(exact)
     convert_to_mesa(ours)
     return exact, ours
@@ -148,11 +149,7 @@ class Expansion(nn.Module):
 
 
 def expansion_pair(**kwargs):
-    torch.manual_seed(0)
-    exact = Expansion(**kwargs)
-    ours = copy.deepcopy(exact)
-    convert_to_mesa(ours)
-    return exact, ours
+    return pair(Expansion, **kwargs)
 
 
 def without_chain(monkeypatch):

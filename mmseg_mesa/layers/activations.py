@@ -30,6 +30,7 @@ from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack
 from ..registry import mesa_layer
 from ..reuse import attach_codes
 from ..saved import PackedMask, load, save
+from . import scale_free
 from .autocast import (
     autocast_inputs,
     autocast_off,
@@ -38,7 +39,6 @@ from .autocast import (
     record_input,
     returns_owned,
 )
-from . import scale_free
 from .base import MesaModule
 from .formulas import sum_to
 from .layout import channels_first
