@@ -204,6 +204,23 @@ def test_a_second_reader_or_a_biased_depthwise_conv_breaks_the_chain(monkeypatch
     assert torch.equal(got['bn1.bias'], plain['bn1.bias'])
 
 
+def test_an_in_place_change_after_the_relu_breaks_the_chain(monkeypatch):
+    """``z.add_(0.1)`` between the in-place ReLU and the depthwise conv: the conv reads another
+    tensor than the ReLU returned and carries nothing."""
+    class Shifted(Expansion):
+        def forward(self, x):
+            z = self.act(self.bn1(self.expand(x)))
+            z.add_(0.1)
+            return self.head(torch.relu(self.bn2(self.dw(z))))
+
+    exact, ours = pair(Shifted)
+    x = torch.randn(2, 8, 8, 8)
+    got = gradients(ours, x)
+    without_chain(monkeypatch)
+    plain = gradients(ours, x)
+    assert torch.equal(got['bn1.weight'], plain['bn1.weight'])
+
+
 def test_functional_relu_carries_the_chain(monkeypatch):
     """``F.relu`` in a module's own forward (the generic path) passes the chain on too."""
     exact, ours = expansion_pair(functional=True)

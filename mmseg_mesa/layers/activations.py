@@ -148,6 +148,13 @@ class MesaReLUFunction(torch.autograd.Function):
         return grad_x, None
 
 
+def mesa_relu(x: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """``MesaReLUFunction`` as layers call it: an in-place call's ``scale_free`` link is for its
+    output as autograd returns it."""
+    y = MesaReLUFunction.apply(x, inplace)
+    return scale_free.settle(y) if inplace else y
+
+
 @mesa_layer(nn.ReLU, 'relu')
 class MesaReLU(MesaModule, nn.ReLU):
     """``nn.ReLU`` that saves a 1-bit mask instead of its output."""
@@ -157,7 +164,7 @@ class MesaReLU(MesaModule, nn.ReLU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
             return super().forward(x)
-        return MesaReLUFunction.apply(x, self.inplace)
+        return mesa_relu(x, self.inplace)
 
 
 def comparable(x: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from .activations import (
     MesaGELUFunction,
     MesaHardswishFunction,
-    MesaReLUFunction,
     MesaSmoothFunction,
+    mesa_relu,
 )
 from .elementwise import MesaAmaxFunction, MesaDivFunction, MesaMaxDimFunction, MesaPowFunction
 from .group_norm import MesaGroupNormFunction
@@ -96,7 +96,7 @@ def _relu(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:
     if b is None or not (_activation(b['input']) and _needs_grad(b['input'])) or \
             site('relu', {}) is None:
         return None
-    return MesaReLUFunction.apply(b['input'], bool(b['inplace']))
+    return mesa_relu(b['input'], bool(b['inplace']))
 
 
 def _hardswish(site: Site, args: tuple, kwargs: dict) -> torch.Tensor | None:

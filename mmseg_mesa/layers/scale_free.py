@@ -38,14 +38,14 @@ import torch
 from ..handoff import SCALE_FREE
 
 __all__ = ['Link', 'carry', 'carry_back', 'claim', 'corrected', 'corrected_affine', 'leave',
-           'offer', 'receives', 'target', 'wanted']
+           'offer', 'receives', 'settle', 'target', 'wanted']
 
 
 @dataclass(eq=False)
 class Link:
     """A chain from sources to the BatchNorm that normalizes their (passed-on) output."""
 
-    version: int  # the version of the tensor it is offered for, when offered
+    version: int | None  # the version of the tensor it is offered for (None: not settled)
     claimed: bool = False
     carried: bool = False  # passed on by an op after the source (else a BatchNorm reads it)
     grad: Any = None  # weak reference to the gradient the next op back must receive
@@ -73,14 +73,24 @@ def offer(ctx: Any, y: torch.Tensor, source: bool, dirty: bool = False) -> None:
     """At the end of a forward whose output ``y`` has its channels on dim 1: offer the link it
     carried, or a new one where the op is a source (its parameters scale ``y``). ``dirty``:
     ``y`` is an input the forward changed in place (``ctx.mark_dirty``), whose version autograd
-    bumps once more when the forward returns."""
+    may change again once the forward returns: no one can take the link before the caller of
+    ``apply`` has ``settle``d it."""
     link = getattr(ctx, 'scale_carried', None)
     if link is None and source:
         link = Link(y._version)
     ctx.scale_link_out = link if source else None
     if link is not None:
-        link.version, link.claimed = y._version + int(dirty), False
+        link.version, link.claimed = (None if dirty else y._version), False
         SCALE_FREE.offer(y, link)
+
+
+def settle(y: torch.Tensor) -> torch.Tensor:
+    """After an in-place ``Function.apply`` that offered ``y``'s link (``dirty``): the link is
+    for ``y`` as autograd returned it."""
+    link = SCALE_FREE.get(y)
+    if link is not None and link.version is None:
+        link.version = y._version
+    return y
 
 
 def claim(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None) -> None:
