@@ -48,7 +48,6 @@ def carry_if_depthwise(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None, groups: int) -> None:
     """A depthwise convolution without bias (one input channel per output channel) scales
     each channel with its input's: it passes on the input's ``scale_free`` link."""
-    ctx.scale_carried = None
     if bias is None and groups == x.shape[1] == weight.shape[0]:
         scale_free.carry(ctx, x)
 
