@@ -44,6 +44,9 @@ class ConversionReport:
     generic: dict[str, nn.Module] = field(default_factory=dict)
     # name -> how a converted module keeps less than it could (``MesaModule.mesa_note``)
     notes: dict[str, str] = field(default_factory=dict)
+    # name -> converted module whose own forward's calls are routed (``MesaFunctional``), which
+    # counts the calls it leaves to torch as the generic path's modules do
+    routing: dict[str, nn.Module] = field(default_factory=dict)
 
     def converted_by_type(self) -> Counter:
         return Counter(src for src, _ in self.converted.values())
@@ -55,7 +58,7 @@ class ConversionReport:
         """``(type, reason)`` -> calls of the generic path's modules (and functional types') own
         forwards left to torch, counted in the training steps they ran so far."""
         counts: Counter = Counter()
-        for module in self.generic.values():
+        for module in (*self.generic.values(), *self.routing.values()):
             typ = getattr(module, 'mesa_original_type', type(module).__name__)
             for reason, n in getattr(module, 'mesa_left_to_torch', {}).items():
                 counts[(typ, reason)] += n
@@ -74,7 +77,7 @@ class ConversionReport:
                          'to its own class)')
         left = self.left_to_torch()
         if left:
-            lines.append('Left to torch in those forwards (calls per training step so far):')
+            lines.append('Left to torch in the forwards Mesa routes (calls in the training steps so far):')
             for (typ, reason), n in sorted(left.items()):
                 lines.append(f'  {n:5d} x {typ}: {reason}')
         if self.left:
@@ -175,6 +178,8 @@ def convert_to_mesa(model: nn.Module, *, config: MesaConfig | None = None,
         # the Mesa class by its own name ('MesaFunctional', not 'MesaFunctional[KernelUpdateHead]':
         # the original type is the entry's first item)
         report.converted[name] = (original, type(module).__name__.split('[', 1)[0])
+        if hasattr(module, 'mesa_left_to_torch'):
+            report.routing[name] = module
         note = getattr(module, 'mesa_note', None)
         if note is not None:
             report.notes[name] = f'{original}: {note}'

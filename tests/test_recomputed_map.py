@@ -220,7 +220,8 @@ def test_logits_need_several_keys():
 
 def test_logits_a_replay_would_miss_by_much_keep_their_map(monkeypatch):
     """Logits scaled up so far that their 8-bit replay strays by more than
-    ``MAX_REPLAY_ERROR`` (T2T-ViT's first layers) keep an 8-bit map instead."""
+    ``MAX_REPLAY_ERROR``, which torch cannot recompute exactly from q and k (a learned bias is
+    added: its gradient would be lost), keep an 8-bit map instead."""
     torch.manual_seed(0)
     ref = OpByOpAttention()
     ref.scale = 40.0
@@ -238,3 +239,112 @@ def test_logits_a_replay_would_miss_by_much_keep_their_map(monkeypatch):
     assert errors and min(errors) > recomputed_map.MAX_REPLAY_ERROR
     assert calls == ['MesaLogitsFunction'] and torch.equal(got, want)
     assert any(key.endswith('softmax_output') for key in ours.mesa_sites)
+
+
+class SharpAttention(nn.Module):
+    """T2T-ViT's form in mmpretrain 1.2.0: logits multiplied by a large number (its Python
+    attention divides by the scale it is given, ``head_dims ** -0.5``), softmax, ``attn @ v``."""
+
+    def __init__(self, dim=32, heads=4, factor=40.0):
+        super().__init__()
+        self.heads, self.factor = heads, factor
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = (q @ k.transpose(-2, -1) * self.factor).softmax(dim=-1)
+        return (attn @ v).transpose(1, 2).reshape(b, n, c)
+
+
+def mesa_logits_nodes(y):
+    """The ``MesaLogitsFunction`` nodes in ``y``'s graph."""
+    found, seen, todo = [], set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, '_forward_cls', None) is MesaLogitsFunction:
+            found.append(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+@pytest.mark.parametrize('factor', [40.0, 1.0])
+def test_logits_too_large_for_8_bit_leave_the_attention_to_torch(monkeypatch, factor):
+    """Logits whose 8-bit replay would stray (sharp maps, where neither 8-bit maps nor 8-bit
+    q, k, v keep the gradient) are recomputed by torch from the live q and k: the attention's
+    graph is torch's, its gradient exact, and the report names why; ordinary logits replay."""
+    from mmseg_mesa.layers.intercept import SHARP_MAP
+    torch.manual_seed(0)
+    ref = SharpAttention(factor=factor)
+    ours = copy.deepcopy(ref)
+    MesaFunctional.convert(ours, MesaConfig())
+    calls = counting(monkeypatch)
+    x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    y = ours(x.requires_grad_())
+    assert torch.equal(y, ref(x))
+    if factor == 1.0:
+        assert calls == ['MesaLogitsFunction', 'MesaMapSoftmaxFunction', 'MesaMapMatMulFunction']
+        assert len(mesa_logits_nodes(y)) == 1 and not ours.mesa_left_to_torch
+        return
+    assert calls == ['MesaLogitsFunction']  # made, then left out of the graph with its codes
+    assert mesa_logits_nodes(y) == [] and ours.mesa_left_to_torch == {SHARP_MAP: 1}
+    got, grads, _ = run(ours, x, grad)
+    want, exact, _ = run(ref, x, grad)
+    assert torch.equal(got, want) and relative(grads, exact) < 1e-6
+
+
+def test_sharp_logits_under_autocast_are_rebuilt_bit_for_bit():
+    """Under bf16 autocast torch's recomputed product is the forward's, bit for bit."""
+    from mmseg_mesa.layers.intercept import SHARP_MAP
+    torch.manual_seed(0)
+    ref = SharpAttention()
+    ours = copy.deepcopy(ref)
+    MesaFunctional.convert(ours, MesaConfig())
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        y, want = ours(x), ref(x)
+    assert torch.equal(y, want) and ours.mesa_left_to_torch == {SHARP_MAP: 1}
+    assert mesa_logits_nodes(y) == []
+
+
+def test_a_weak_operand_is_its_view_while_unchanged():
+    """``k.transpose(-2, -1)`` is gone by the softmax; the same view of k is rebuilt from its
+    base, with its gradient reaching k, and nothing once k changed in place."""
+    from mmseg_mesa.layers.recomputed_map import WeakOperand
+    base = torch.randn(2, 3, 5, 4, requires_grad=True)
+    k = base * 1  # a tensor of the graph, as a linear's output is
+    operand = WeakOperand.of(k[:, 1:].transpose(-2, -1))
+    got = operand.get()
+    assert got is not None and torch.equal(got, k[:, 1:].transpose(-2, -1))
+    got.sum().backward()
+    assert torch.equal(base.grad, torch.ones(2, 3, 5, 4).index_fill_(1, torch.tensor([0]), 0))
+    with torch.no_grad():
+        k.mul_(2)
+    assert operand.get() is None
+    plain = torch.randn(3, 4)
+    operand = WeakOperand.of(plain)
+    assert operand.get() is plain
+    plain += 1
+    assert operand.get() is None
+    operand = WeakOperand.of(torch.randn(3, 4))
+    assert operand.get() is None  # gone, and no base to rebuild it from
+
+
+@pytest.mark.parametrize('by_handler', [False, True])
+def test_the_report_names_attention_left_to_torch(monkeypatch, by_handler):
+    """The conversion report counts sharp attention left to torch, in a module of the generic
+    path and in one a handler converts to ``MesaFunctional``."""
+    from mmseg_mesa import convert_to_mesa, registry
+    from mmseg_mesa.layers.intercept import SHARP_MAP
+    if by_handler:
+        monkeypatch.setattr(registry, '_HANDLERS', dict(registry._HANDLERS))
+        registry.register_handler(SharpAttention, 'attention', registry.swap_to(MesaFunctional))
+    model = nn.Sequential(SharpAttention())
+    report = convert_to_mesa(model)
+    assert ('0' in report.converted) == by_handler == ('0' not in report.generic)
+    model(torch.randn(2, 16, 32, requires_grad=True))
+    assert report.left_to_torch() == {('SharpAttention', SHARP_MAP): 1}
+    assert f'SharpAttention: {SHARP_MAP}' in report.format()

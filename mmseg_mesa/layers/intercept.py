@@ -45,6 +45,8 @@ from .pooling import MesaLinearPoolFunction
 from .recomputed_map import (
     MesaLogitsFunction,
     MesaMapMatMulFunction,
+    Recipe,
+    exact_logits,
     logits_operands,
     logits_recipe,
     recipe_of,
@@ -55,6 +57,9 @@ from .recomputed_map import (
 from .recomputed_map import offer as offer_map
 from .sdpa import SDPA_FUNCTIONS, SDPA_ROLES, SDPACall, left_to_torch, mesa_sdpa, packs
 from .softmax import MesaMapSoftmaxFunction, MesaSoftmaxFunction
+
+# Why attention whose 8-bit replay would stray is left to torch (``recomputed_map.exact_logits``).
+SHARP_MAP = 'attention (softmax, attn @ v): logits too large for 8-bit q and k (sharp maps)'
 
 # Element-wise products a module's forward computes itself (layer scale, gated attention).
 declare_layer_type('product')
@@ -291,6 +296,8 @@ class _Capture(TorchFunctionMode):
                 # each gets its own range (key tokens of q @ k, channels of attn @ v); the left
                 # by dim 1 (its rows or heads, as a softmax before it groups what it offers)
                 recipe = recipe_of(a) if self.recomputes_maps else None
+                if recipe is not None and recipe.kept:  # attn @ v of a map torch keeps
+                    return None
                 if recipe is not None and recipe.is_map:  # attn @ v: the map is replayed
                     site = self._site('matmul', {'b': (-1, 1)})
                     if site is not None:
@@ -315,6 +322,12 @@ class _Capture(TorchFunctionMode):
                 recipe = recipe_of(x) if self.recomputes_maps else None
                 if replays(recipe):  # logits of q @ k: the map is replayed, not kept
                     return MesaMapSoftmaxFunction.apply(x, dim, recipe)
+                exact = None if recipe is None else exact_logits(recipe, x)
+                if exact is not None:  # too sharp for 8 bits: the attention is left to torch
+                    self.owner.mesa_left_to_torch[SHARP_MAP] += 1
+                    y = F.softmax(exact, dim)
+                    offer_map(y, Recipe(None, kept=True))
+                    return y
                 site = self._site('softmax', {'output': (1, 1)})
                 if site is not None:
                     return MesaSoftmaxFunction.apply(x, dim, *site)

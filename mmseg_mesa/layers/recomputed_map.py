@@ -25,7 +25,9 @@ downstream of it), so its codes are still there.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +71,30 @@ STEPS: dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
 
 
 @dataclass(frozen=True)
+class WeakOperand:
+    """An operand of the logits' product, held weakly: the tensor while it lives, else the same
+    view of its base (``k.transpose(-2, -1)`` is gone by the time the softmax runs, k is not);
+    either only while unchanged since the product read it."""
+
+    tensor: weakref.ref
+    base: weakref.ref | None
+    view: tuple[torch.Size, tuple[int, ...], int]
+    version: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> WeakOperand:
+        base = None if t._base is None else weakref.ref(t._base)
+        return cls(weakref.ref(t), base, (t.shape, t.stride(), t.storage_offset()), t._version)
+
+    def get(self) -> torch.Tensor | None:
+        t = self.tensor()
+        if t is None and self.base is not None:
+            base = self.base()
+            t = None if base is None else base.as_strided(*self.view)
+        return t if t is not None and t._version == self.version else None
+
+
+@dataclass(frozen=True)
 class Recipe:
     """How to rebuild a tensor from the codes of logits (``logits(source)``), then ``steps``,
     each ``(name in STEPS, argument)``."""
@@ -78,9 +104,14 @@ class Recipe:
     # how far the replay may stray from the forward's values: the largest difference measured
     # on sampled rows of the logits, times the gain of each step since
     error: float = 0.0
+    # the product's operands, for ``exact_logits``
+    operands: tuple[WeakOperand, WeakOperand] | None = None
+    # a map torch's softmax keeps in full (``exact_logits``): ``attn @ v`` is left to torch too
+    kept: bool = False
 
     def then(self, step: str, argument: Any, gain: float = 1.0) -> Recipe:
-        return Recipe(self.source, (*self.steps, (step, argument)), self.error * gain)
+        return dataclasses.replace(self, steps=(*self.steps, (step, argument)),
+                                   error=self.error * gain)
 
     def replay(self) -> torch.Tensor:
         """The tensor, in fp32, from the source's codes."""
@@ -105,6 +136,29 @@ MAX_REPLAY_ERROR = 0.2
 def replays(recipe: Recipe | None) -> bool:
     """Whether a softmax of logits with this recipe replays its map (else it packs it)."""
     return recipe is not None and recipe.error <= MAX_REPLAY_ERROR
+
+
+def exact_logits(recipe: Recipe, x: torch.Tensor) -> torch.Tensor | None:
+    """``x``, logits with ``recipe``, recomputed by torch's ops from the product's live operands
+    (a graph of their own, which saves them in full), or None where that cannot give ``x``'s
+    values bit for bit: an operand gone or changed in place, a step with a tensor operand (its
+    gradient would be lost: recipes keep tensors detached).
+
+    For logits whose replay would stray (``replays``): so large that their maps are sharp
+    (T2T-ViT's first layers: each row's largest entry 0.98), their gradient lies in the small
+    entries and in small differences between similar tokens, which neither an 8-bit map nor
+    8-bit q, k and v keep (T2T-ViT's gradient error 0.081 with its maps packed, 0.011 with its
+    attention left to torch). Where this gives None the map is packed."""
+    if recipe.operands is None or any(isinstance(argument, torch.Tensor)
+                                      for step, argument in recipe.steps if step != 'reshape'):
+        return None
+    a, b = (operand.get() for operand in recipe.operands)
+    if a is None or b is None:
+        return None
+    y = torch.matmul(a, b)
+    for step, argument in recipe.steps:
+        y = STEPS[step](y, argument)
+    return y if y.shape == x.shape and y.dtype == x.dtype and torch.equal(y, x) else None
 
 
 def offer(t: torch.Tensor, recipe: Recipe) -> None:
@@ -133,7 +187,8 @@ def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Recipe |
         return None
     if source not in (MesaMatMulFunction, MesaLogitsFunction):
         return None
-    return Recipe(node, error=sampled_error(node, a, b))
+    return Recipe(node, error=sampled_error(node, a, b),
+                  operands=(WeakOperand.of(a), WeakOperand.of(b)))
 
 
 # Rows of the logits (per image and head) on which the replay's error is measured.
