@@ -77,7 +77,8 @@ class ConversionReport:
                          'to its own class)')
         left = self.left_to_torch()
         if left:
-            lines.append('Left to torch in the forwards Mesa routes (calls in the training steps so far):')
+            lines.append('Left to torch in the forwards Mesa routes '
+                         '(calls in the training steps so far):')
             for (typ, reason), n in sorted(left.items()):
                 lines.append(f'  {n:5d} x {typ}: {reason}')
         if self.left:
