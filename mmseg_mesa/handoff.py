@@ -25,18 +25,30 @@ __all__ = ['CODES', 'FEATURE_MAPS', 'MAPS', 'SAVED_LABEL', 'SCALE_FREE', 'HandOf
 
 class HandOff(Generic[V]):
     """One kind of hand-off: ``offer(t, value)`` by the layer that knows, ``get(t)`` by the
-    layer that needs it; the entry lives as long as ``t``."""
+    layer that needs it; the entry lives as long as ``t``. A ``versioned`` hand-off tells of
+    ``t``'s values (codes of them, how to rebuild them, their layout): its entry holds only while
+    ``t`` is unchanged since the offer (autograd's version counter), and ``get`` gives None
+    after an in-place write."""
 
-    def __init__(self, name: str, meaning: str) -> None:
+    def __init__(self, name: str, meaning: str, versioned: bool = False) -> None:
         self.name = name
         self.meaning = meaning
+        self.versioned = versioned
         self._entries: Any = WeakTensorKeyDictionary()
 
     def offer(self, t: torch.Tensor, value: V) -> None:
-        self._entries[t] = value
+        self._entries[t] = (value, t._version) if self.versioned else value
 
     def get(self, t: torch.Tensor) -> V | None:
-        return self._entries.get(t)
+        found = self._entries.get(t)
+        if not self.versioned or found is None:
+            return found
+        return found[0] if found[1] == t._version else None
+
+    def stale(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` has an entry that an in-place write since the offer made void."""
+        found = self._entries.get(t)
+        return self.versioned and found is not None and found[1] != t._version
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -45,19 +57,21 @@ class HandOff(Generic[V]):
         return f'HandOff({self.name!r}: {self.meaning})'
 
 
-# (codes, the tensor's version when they were made): codes that decode to the tensor, offered by
-# the layer that made them to the next layer that saves the same tensor (``reuse``).
-CODES: HandOff[tuple[Any, int]] = HandOff(
-    'codes', 'codes of this tensor another layer may save instead of packing it again')
+# codes that decode to the tensor, offered by the layer that made them to the next layer that
+# saves the same tensor (``reuse``).
+CODES: HandOff[Any] = HandOff(
+    'codes', 'codes of this tensor another layer may save instead of packing it again',
+    versioned=True)
 # What a saved tensor is, for saved-bytes reports (``memory.count_saved_tensors``); autograd
 # packs a custom Function's saved tensors after its forward returns, so the label cannot be an
 # argument of the pack hook.
 SAVED_LABEL: HandOff[str] = HandOff('saved label', 'what this saved tensor is, for reports')
-# (recipe, the tensor's version when it was offered): how to rebuild this tensor in backward from
-# codes a matmul node already keeps, offered along attention written op by op (logits, their
-# scaled and biased forms, the softmax's map) to the next op that reads it (``recomputed_map``).
-MAPS: HandOff[tuple[Any, int]] = HandOff(
-    'maps', 'how to rebuild this tensor from codes a matmul keeps, instead of saving it')
+# a ``recomputed_map.Recipe``: how to rebuild this tensor in backward from codes a matmul node
+# already keeps, offered along attention written op by op (logits, their scaled and biased forms,
+# the softmax's map) to the next op that reads it (``recomputed_map``).
+MAPS: HandOff[Any] = HandOff(
+    'maps', 'how to rebuild this tensor from codes a matmul keeps, instead of saving it',
+    versioned=True)
 # a ``scale_free.Link``: offered by a layer whose parameters scale its output (a convolution, a
 # BatchNorm's affine part), carried on by ops that scale with their input channel by channel
 # (ReLU, a depthwise convolution), claimed by the training-mode BatchNorm that normalizes it,
@@ -65,7 +79,7 @@ MAPS: HandOff[tuple[Any, int]] = HandOff(
 # (``scale_free``).
 SCALE_FREE: HandOff[Any] = HandOff(
     'scale free', 'a BatchNorm after this tensor tells the layers that scale it what it knows')
-# the tensor's version when offered: a feature map with its channels on dim 1, as a convolution
-# or a norm over channels made it (``layout``).
-FEATURE_MAPS: HandOff[int] = HandOff(
-    'feature maps', 'this tensor has its channels on dim 1')
+# True: a feature map with its channels on dim 1, as a convolution or a norm over channels made
+# it (``layout``).
+FEATURE_MAPS: HandOff[bool] = HandOff(
+    'feature maps', 'this tensor has its channels on dim 1', versioned=True)

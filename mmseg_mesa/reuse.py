@@ -32,13 +32,11 @@ __all__ = ['ReuseCounts', 'attach_codes', 'attached_codes', 'count_reuse', 'offe
 
 def attach_codes(x: torch.Tensor, packed: Codes) -> None:
     """Offer ``packed`` (codes that decode to ``x``) to the next layer that saves ``x``."""
-    CODES.offer(x, (packed, x._version))
+    CODES.offer(x, packed)
 
 
-def mismatch(x: torch.Tensor, packed: Codes, version: int, spec: QuantSpec) -> str | None:
+def mismatch(x: torch.Tensor, packed: Codes, spec: QuantSpec) -> str | None:
     """Why codes attached to ``x`` are not what ``spec`` would store (None: they are)."""
-    if version != x._version:
-        return 'modified in place since'
     if packed.shape != x.shape:
         return 'other shape'
     if packed.bits != spec.bits:
@@ -57,17 +55,15 @@ def attached_codes(x: torch.Tensor, spec: QuantSpec,
 
     ``dtype`` is what they decode to (the layer's compute dtype; ``x``'s by default).
     """
-    found = CODES.get(x)
-    if found is None or mismatch(x, found[0], found[1], spec) is not None:
+    packed = CODES.get(x)
+    if packed is None or mismatch(x, packed, spec) is not None:
         return None
-    packed = found[0]
     return packed if dtype in (None, packed.dtype) else replace(packed, dtype=dtype)
 
 
 def offers_codes(x: torch.Tensor) -> bool:
     """Whether a layer offered codes of ``x`` (a softmax's map) that are still current."""
-    found = CODES.get(x)
-    return found is not None and found[1] == x._version
+    return CODES.get(x) is not None
 
 
 @dataclass
@@ -133,6 +129,10 @@ def packed_reusing(x: torch.Tensor, cast: torch.Tensor, quantizer: Any) -> Codes
             return found
         if _COUNTING:
             offered = CODES.get(x)
-            _record(quantizer, 'none' if offered is None else 'miss', None if offered is None
-                    else mismatch(x, offered[0], offered[1], quantizer.spec))
+            if offered is not None:
+                _record(quantizer, 'miss', mismatch(x, offered, quantizer.spec))
+            elif CODES.stale(x):
+                _record(quantizer, 'miss', 'modified in place since')
+            else:
+                _record(quantizer, 'none')
     return quantizer.pack(cast)

@@ -163,17 +163,12 @@ def exact_logits(recipe: Recipe, x: torch.Tensor) -> torch.Tensor | None:
 
 def offer(t: torch.Tensor, recipe: Recipe) -> None:
     """Offer ``recipe`` for ``t`` to the next op of the same forward that reads it."""
-    MAPS.offer(t, (recipe, t._version))
+    MAPS.offer(t, recipe)
 
 
 def recipe_of(t: Any) -> Recipe | None:
     """The recipe offered for ``t``, unless ``t`` was modified in place since."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    found = MAPS.get(t)
-    if found is None or found[1] != t._version:
-        return None
-    return found[0]
+    return MAPS.get(t) if isinstance(t, torch.Tensor) else None
 
 
 def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Recipe | None:
