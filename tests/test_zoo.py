@@ -316,3 +316,20 @@ def test_backbones_from_outside_mmseg_configs_hold(name):
     assert result['worst_cosine'] >= cosine_bound
     assert result['left_share'] <= 0.03, result['left_top']
     assert result['saved_ratio'] <= 0.2
+
+
+@pytest.mark.slow
+def test_t2t_vit_sharp_attention_is_left_to_torch_and_named():
+    """mmpretrain 1.2.0's T2T-ViT multiplies its logits by 8 where it means to divide (its
+    ``qk_scale`` goes to a Python attention that divides by it): nearly one-hot maps, which
+    8-bit codes cannot hold (whole-gradient error 0.083 with its maps packed). Its attention is
+    left to torch, bit-identical, and the sweep's row says why."""
+    from mmseg_mesa.bench.backbones import upernet_config
+    from mmseg_mesa.bench.sweep import measure
+    from mmseg_mesa.layers.intercept import SHARP_MAP
+    backbone = dict(type='mmpretrain.T2T_ViT', img_size=224, out_indices=(2, 5, 8, 13),
+                    out_type='featmap')
+    result = measure(upernet_config(backbone, 128), 128, 2, {})
+    assert result['forward_identical']
+    assert result['relative_error'] <= 0.02 and result['worst_cosine'] >= 0.99
+    assert result['left_to_torch'] == [f'16 x MultiheadAttention: {SHARP_MAP}']
