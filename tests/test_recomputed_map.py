@@ -245,15 +245,16 @@ class SharpAttention(nn.Module):
     """T2T-ViT's form in mmpretrain 1.2.0: logits multiplied by a large number (its Python
     attention divides by the scale it is given, ``head_dims ** -0.5``), softmax, ``attn @ v``."""
 
-    def __init__(self, dim=32, heads=4, factor=40.0):
+    def __init__(self, dim=32, heads=4, factor=40.0, dropout=0.0):
         super().__init__()
-        self.heads, self.factor = heads, factor
+        self.heads, self.factor, self.dropout = heads, factor, dropout
         self.qkv = nn.Linear(dim, 3 * dim)
 
     def forward(self, x):
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         attn = (q @ k.transpose(-2, -1) * self.factor).softmax(dim=-1)
+        attn = F.dropout(attn, self.dropout, self.training)
         return (attn @ v).transpose(1, 2).reshape(b, n, c)
 
 
@@ -271,19 +272,22 @@ def mesa_logits_nodes(y):
     return found
 
 
-@pytest.mark.parametrize('factor', [40.0, 1.0])
-def test_logits_too_large_for_8_bit_leave_the_attention_to_torch(monkeypatch, factor):
+@pytest.mark.parametrize('factor, dropout', [(40.0, 0.0), (40.0, 0.2), (1.0, 0.0)])
+def test_logits_too_large_for_8_bit_leave_the_attention_to_torch(monkeypatch, factor, dropout):
     """Logits whose 8-bit replay would stray (sharp maps, where neither 8-bit maps nor 8-bit
     q, k, v keep the gradient) are recomputed by torch from the live q and k: the attention's
-    graph is torch's, its gradient exact, and the report names why; ordinary logits replay."""
+    graph is torch's (through dropout on the map too), its gradient exact, and the report names
+    why; ordinary logits replay."""
     from mmseg_mesa.layers.intercept import SHARP_MAP
     torch.manual_seed(0)
-    ref = SharpAttention(factor=factor)
+    ref = SharpAttention(factor=factor, dropout=dropout)
     ours = copy.deepcopy(ref)
     MesaFunctional.convert(ours, MesaConfig())
     calls = counting(monkeypatch)
     x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    torch.manual_seed(1)
     y = ours(x.requires_grad_())
+    torch.manual_seed(1)
     assert torch.equal(y, ref(x))
     if factor == 1.0:
         assert calls == ['MesaLogitsFunction', 'MesaMapSoftmaxFunction', 'MesaMapMatMulFunction']
@@ -291,7 +295,9 @@ def test_logits_too_large_for_8_bit_leave_the_attention_to_torch(monkeypatch, fa
         return
     assert calls == ['MesaLogitsFunction']  # made, then left out of the graph with its codes
     assert mesa_logits_nodes(y) == [] and ours.mesa_left_to_torch == {SHARP_MAP: 1}
+    torch.manual_seed(2)
     got, grads, _ = run(ours, x, grad)
+    torch.manual_seed(2)
     want, exact, _ = run(ref, x, grad)
     assert torch.equal(got, want) and relative(grads, exact) < 1e-6
 

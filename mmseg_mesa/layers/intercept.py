@@ -77,6 +77,9 @@ NOTED_LEFT_BYTES = 16 * 1024
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
             torch.Tensor.bmm}
 _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax}
+# Dropout on a map torch's softmax keeps in full (``recomputed_map.exact_logits``): the map
+# ``attn @ v`` reads is still one to leave to torch.
+_DROPOUTS = {F.dropout, torch.dropout}
 _PRODUCTS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 _LINEARS = {F.linear}
 _EINSUMS = {torch.einsum}
@@ -218,6 +221,10 @@ class _Capture(TorchFunctionMode):
                 self._note_left(func, result, (*args, *kwargs.values()))
         if func in _MAP_STEPS and self.recomputes_maps and not kwargs:
             self._follow_map(_MAP_STEPS[func], args, result)
+        elif func in _DROPOUTS and self.recomputes_maps and args:
+            recipe = recipe_of(args[0])
+            if recipe is not None and recipe.kept and isinstance(result, torch.Tensor):
+                offer_map(result, recipe)
         return result
 
     @functools.cached_property
