@@ -44,8 +44,8 @@ class ConversionReport:
     generic: dict[str, nn.Module] = field(default_factory=dict)
     # name -> how a converted module keeps less than it could (``MesaModule.mesa_note``)
     notes: dict[str, str] = field(default_factory=dict)
-    # name -> converted module whose own forward's calls are routed (``MesaFunctional``), which
-    # counts the calls it leaves to torch as the generic path's modules do
+    # name -> converted module that counts the calls it leaves to torch (``mesa_left_to_torch``:
+    # ``MesaFunctional``, ``MesaSoftmax``), as the generic path's modules do
     routing: dict[str, nn.Module] = field(default_factory=dict)
 
     def converted_by_type(self) -> Counter:
@@ -55,8 +55,9 @@ class ConversionReport:
         return Counter((typ, reason) for typ, reason in self.left.values())
 
     def left_to_torch(self) -> Counter:
-        """``(type, reason)`` -> calls of the generic path's modules (and functional types') own
-        forwards left to torch, counted in the training steps they ran so far."""
+        """``(type, reason)`` -> calls left to torch by the generic path's modules and by
+        converted modules that count them (``MesaFunctional``'s own forward, a softmax whose
+        attention is left to torch), in the training steps they ran so far."""
         counts: Counter = Counter()
         for module in (*self.generic.values(), *self.routing.values()):
             typ = getattr(module, 'mesa_original_type', type(module).__name__)

@@ -278,7 +278,7 @@ def test_logits_too_large_for_8_bit_leave_the_attention_to_torch(monkeypatch, fa
     q, k, v keep the gradient) are recomputed by torch from the live q and k: the attention's
     graph is torch's (through dropout on the map too), its gradient exact, and the report names
     why; ordinary logits replay."""
-    from mmseg_mesa.layers.intercept import SHARP_MAP
+    from mmseg_mesa.layers.recomputed_map import SHARP_MAP
     torch.manual_seed(0)
     ref = SharpAttention(factor=factor, dropout=dropout)
     ours = copy.deepcopy(ref)
@@ -304,7 +304,7 @@ def test_logits_too_large_for_8_bit_leave_the_attention_to_torch(monkeypatch, fa
 
 def test_sharp_logits_under_autocast_are_rebuilt_bit_for_bit():
     """Under bf16 autocast torch's recomputed product is the forward's, bit for bit."""
-    from mmseg_mesa.layers.intercept import SHARP_MAP
+    from mmseg_mesa.layers.recomputed_map import SHARP_MAP
     torch.manual_seed(0)
     ref = SharpAttention()
     ours = copy.deepcopy(ref)
@@ -344,7 +344,7 @@ def test_the_report_names_attention_left_to_torch(monkeypatch, by_handler):
     """The conversion report counts sharp attention left to torch, in a module of the generic
     path and in one a handler converts to ``MesaFunctional``."""
     from mmseg_mesa import convert_to_mesa, registry
-    from mmseg_mesa.layers.intercept import SHARP_MAP
+    from mmseg_mesa.layers.recomputed_map import SHARP_MAP
     if by_handler:
         monkeypatch.setattr(registry, '_HANDLERS', dict(registry._HANDLERS))
         registry.register_handler(SharpAttention, 'attention', registry.swap_to(MesaFunctional))
@@ -354,3 +354,34 @@ def test_the_report_names_attention_left_to_torch(monkeypatch, by_handler):
     model(torch.randn(2, 16, 32, requires_grad=True))
     assert report.left_to_torch() == {('SharpAttention', SHARP_MAP): 1}
     assert f'SharpAttention: {SHARP_MAP}' in report.format()
+
+
+class SharpChildAttention(SharpAttention):
+    """``SharpAttention`` with its softmax an ``nn.Softmax`` child (SwinV2's, timm's form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = self.softmax(q @ k.transpose(-2, -1) * self.factor)
+        return (attn @ v).transpose(1, 2).reshape(b, n, c)
+
+
+def test_a_softmax_child_of_sharp_logits_leaves_the_attention_to_torch():
+    """An ``nn.Softmax`` child meets the same sharp logits: torch's attention, exact gradients,
+    and the report names the child."""
+    from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa.layers.recomputed_map import SHARP_MAP
+    torch.manual_seed(0)
+    ref = SharpChildAttention()
+    ours = copy.deepcopy(ref)
+    report = convert_to_mesa(ours, config=MesaConfig(skip=('qkv',)))  # exact q, k, v
+    x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    got, grads, _ = run(ours, x, grad)
+    want, exact, _ = run(ref, x, grad)
+    assert torch.equal(got, want) and relative(grads, exact) < 1e-6
+    assert mesa_logits_nodes(ours(x.requires_grad_())) == []
+    assert report.left_to_torch() == {('Softmax', SHARP_MAP): 2}

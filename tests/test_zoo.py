@@ -326,7 +326,7 @@ def test_t2t_vit_sharp_attention_is_left_to_torch_and_named():
     left to torch, bit-identical, and the sweep's row says why."""
     from mmseg_mesa.bench.backbones import upernet_config
     from mmseg_mesa.bench.sweep import measure
-    from mmseg_mesa.layers.intercept import SHARP_MAP
+    from mmseg_mesa.layers.recomputed_map import SHARP_MAP
     backbone = dict(type='mmpretrain.T2T_ViT', img_size=224, out_indices=(2, 5, 8, 13),
                     out_type='featmap')
     result = measure(upernet_config(backbone, 128), 128, 2, {})

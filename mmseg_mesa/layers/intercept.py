@@ -43,10 +43,10 @@ from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
 from .pooling import MesaLinearPoolFunction
 from .recomputed_map import (
+    SHARP_MAP,
     MesaLogitsFunction,
     MesaMapMatMulFunction,
-    Recipe,
-    exact_logits,
+    exact_map,
     logits_operands,
     logits_recipe,
     recipe_of,
@@ -57,9 +57,6 @@ from .recomputed_map import (
 from .recomputed_map import offer as offer_map
 from .sdpa import SDPA_FUNCTIONS, SDPA_ROLES, SDPACall, left_to_torch, mesa_sdpa, packs
 from .softmax import MesaMapSoftmaxFunction, MesaSoftmaxFunction
-
-# Why attention whose 8-bit replay would stray is left to torch (``recomputed_map.exact_logits``).
-SHARP_MAP = 'attention (softmax, attn @ v): logits too large for 8-bit q and k (sharp maps)'
 
 # Element-wise products a module's forward computes itself (layer scale, gated attention).
 declare_layer_type('product')
@@ -329,11 +326,9 @@ class _Capture(TorchFunctionMode):
                 recipe = recipe_of(x) if self.recomputes_maps else None
                 if replays(recipe):  # logits of q @ k: the map is replayed, not kept
                     return MesaMapSoftmaxFunction.apply(x, dim, recipe)
-                exact = None if recipe is None else exact_logits(recipe, x)
-                if exact is not None:  # too sharp for 8 bits: the attention is left to torch
+                y = None if recipe is None else exact_map(x, dim, recipe)
+                if y is not None:  # too sharp for 8 bits: the attention is left to torch
                     self.owner.mesa_left_to_torch[SHARP_MAP] += 1
-                    y = F.softmax(exact, dim)
-                    offer_map(y, Recipe(None, kept=True))
                     return y
                 site = self._site('softmax', {'output': (1, 1)})
                 if site is not None:

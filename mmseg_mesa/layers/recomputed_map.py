@@ -161,6 +161,22 @@ def exact_logits(recipe: Recipe, x: torch.Tensor) -> torch.Tensor | None:
     return y if y.shape == x.shape and y.dtype == x.dtype and torch.equal(y, x) else None
 
 
+# Why a softmax whose replay would stray leaves its attention to torch (``exact_map``).
+SHARP_MAP = 'attention (softmax, attn @ v): logits too large for 8-bit q and k (sharp maps)'
+
+
+def exact_map(x: torch.Tensor, dim: int, recipe: Recipe) -> torch.Tensor | None:
+    """The softmax of logits ``x`` whose replay would stray, over ``exact_logits``: a map torch
+    keeps in full, offered as such so that ``attn @ v`` is left to torch too; None where the
+    logits cannot be recomputed (the caller packs the map)."""
+    exact = exact_logits(recipe, x)
+    if exact is None:
+        return None
+    y = F.softmax(exact, dim)
+    offer(y, Recipe(None, kept=True))
+    return y
+
+
 def offer(t: torch.Tensor, recipe: Recipe) -> None:
     """Offer ``recipe`` for ``t`` to the next op of the same forward that reads it."""
     MAPS.offer(t, recipe)

@@ -1,12 +1,14 @@
 """Softmax that saves only its output (the original Mesa saved input and output)."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import MesaConfig
 from ..quantizer import ActivationQuantizer, unpack
 from ..registry import mesa_layer
 from ..reuse import attach_codes
@@ -14,7 +16,7 @@ from ..saved import SOFTMAX_OUTPUT, load, save
 from .autocast import no_autocast_backward, record_input, returns_owned
 from .base import MesaModule
 from .formulas import softmax_backward
-from .recomputed_map import Recipe, offer, recipe_of, replays
+from .recomputed_map import SHARP_MAP, Recipe, exact_map, offer, recipe_of, replays
 
 
 class MesaSoftmaxFunction(torch.autograd.Function):
@@ -72,16 +74,26 @@ class MesaSoftmax(MesaModule, nn.Softmax):
 
     For attention maps ``(B, heads, N, N)`` that is one group per head, as in Mesa. Logits with
     a recipe (``layers.recomputed_map``: SwinV2's attention calls its softmax as a child) keep no
-    map.
+    map; where their replay would stray, the attention is left to torch, counted in
+    ``mesa_left_to_torch`` as a ``MesaFunctional`` counts it.
     """
 
     mesa_quantizers = {'quant_output': (1, 1)}
+
+    def mesa_setup(self, config: MesaConfig) -> None:
+        super().mesa_setup(config)
+        self.mesa_left_to_torch: Counter = Counter()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x) or x.dim() < 2:
             return super().forward(x)
         dim = softmax_dim(self.dim, x.dim())
         recipe = recipe_of(x) if self.mesa_config.attention_maps == 'recompute' else None
-        if replays(recipe) and dim % x.dim() == x.dim() - 1:  # logits a parent computed
-            return MesaMapSoftmaxFunction.apply(x, dim, recipe)
+        if recipe is not None and dim % x.dim() == x.dim() - 1:  # logits a parent computed
+            if replays(recipe):
+                return MesaMapSoftmaxFunction.apply(x, dim, recipe)
+            y = exact_map(x, dim, recipe)
+            if y is not None:
+                self.mesa_left_to_torch[SHARP_MAP] += 1
+                return y
         return MesaSoftmaxFunction.apply(x, dim, self.quant_output)
