@@ -34,6 +34,23 @@ def test_matching_codes_are_reused_and_others_packed_again_with_the_reason():
         counts.summary()
 
 
+def test_a_versioned_hand_off_holds_until_an_in_place_write():
+    """``HandOff(versioned=True)``: the entry while the tensor is unchanged, then None and
+    ``stale``; an unversioned one keeps its entry whatever happens to the tensor."""
+    from mmseg_mesa.handoff import HandOff
+    versioned, plain = HandOff('v', 'test', versioned=True), HandOff('p', 'test')
+    t, other = torch.zeros(3), torch.zeros(3)
+    versioned.offer(t, 'codes')
+    plain.offer(t, 'label')
+    assert versioned.get(t) == 'codes' and not versioned.stale(t)
+    assert versioned.get(other) is None and not versioned.stale(other)
+    t.add_(1)
+    assert versioned.get(t) is None and versioned.stale(t)
+    assert plain.get(t) == 'label' and not plain.stale(t)
+    versioned.offer(t, 'new codes')
+    assert versioned.get(t) == 'new codes' and not versioned.stale(t)
+
+
 def test_an_in_place_change_is_a_miss():
     class Scaled(nn.Module):
         def __init__(self):
