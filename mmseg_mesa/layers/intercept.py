@@ -43,20 +43,17 @@ from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
 from .pooling import MesaLinearPoolFunction
 from .recomputed_map import (
-    SHARP_MAP,
     MesaLogitsFunction,
     MesaMapMatMulFunction,
-    exact_map,
     logits_operands,
     logits_recipe,
     recipe_of,
-    replays,
     step_gain,
     step_operand,
 )
 from .recomputed_map import offer as offer_map
 from .sdpa import SDPA_FUNCTIONS, SDPA_ROLES, SDPACall, left_to_torch, mesa_sdpa, packs
-from .softmax import MesaMapSoftmaxFunction, MesaSoftmaxFunction
+from .softmax import MesaSoftmaxFunction, map_softmax
 
 # Element-wise products a module's forward computes itself (layer scale, gated attention).
 declare_layer_type('product')
@@ -324,11 +321,10 @@ class _Capture(TorchFunctionMode):
             # step of a per-channel range (docs/benchmarks.md, "Gradient fidelity").
             if x is not None and x.requires_grad and x.dim() >= 2 and dim % x.dim() == x.dim() - 1:
                 recipe = recipe_of(x) if self.recomputes_maps else None
-                if replays(recipe):  # logits of q @ k: the map is replayed, not kept
-                    return MesaMapSoftmaxFunction.apply(x, dim, recipe)
-                y = None if recipe is None else exact_map(x, dim, recipe)
-                if y is not None:  # too sharp for 8 bits: the attention is left to torch
-                    self.owner.mesa_left_to_torch[SHARP_MAP] += 1
+                # logits of q @ k: the map replayed, or (too sharp for 8 bits) torch's
+                y = None if recipe is None else map_softmax(
+                    x, dim, recipe, self.owner.mesa_left_to_torch)
+                if y is not None:
                     return y
                 site = self._site('softmax', {'output': (1, 1)})
                 if site is not None:

@@ -61,6 +61,20 @@ class MesaMapSoftmaxFunction(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype), None, None
 
 
+def map_softmax(x: torch.Tensor, dim: int, recipe: Recipe, left_to_torch: Counter
+                ) -> torch.Tensor | None:
+    """The softmax of logits with a recipe, for a converted ``nn.Softmax`` and a module's own
+    call alike: the map replayed in backward, or, where the replay would stray, torch's over
+    logits it recomputes (``recomputed_map.exact_map``, counted in ``left_to_torch``); None
+    where neither holds (the caller packs the map)."""
+    if replays(recipe):
+        return MesaMapSoftmaxFunction.apply(x, dim, recipe)
+    y = exact_map(x, dim, recipe)
+    if y is not None:
+        left_to_torch[SHARP_MAP] += 1
+    return y
+
+
 def softmax_dim(dim: int | None, ndim: int) -> int:
     """nn.Softmax's legacy rule when ``dim`` is None."""
     if dim is not None:
@@ -90,10 +104,7 @@ class MesaSoftmax(MesaModule, nn.Softmax):
         dim = softmax_dim(self.dim, x.dim())
         recipe = recipe_of(x) if self.mesa_config.attention_maps == 'recompute' else None
         if recipe is not None and dim % x.dim() == x.dim() - 1:  # logits a parent computed
-            if replays(recipe):
-                return MesaMapSoftmaxFunction.apply(x, dim, recipe)
-            y = exact_map(x, dim, recipe)
+            y = map_softmax(x, dim, recipe, self.mesa_left_to_torch)
             if y is not None:
-                self.mesa_left_to_torch[SHARP_MAP] += 1
                 return y
         return MesaSoftmaxFunction.apply(x, dim, self.quant_output)
