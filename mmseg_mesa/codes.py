@@ -1,6 +1,6 @@
 """What a compressed activation is: the ``Codes`` protocol, the quantizer's containers and spec.
 
-Every compressed activation a Mesa layer saves (``Packed``, ``Mapped``, DIVISION's
+Every compressed activation a Mesa layer saves (``Packed``, ``Refined``, ``Mapped``, DIVISION's
 ``DivisionPacked``, ``MesaUPerHead``'s ``FusedCodes``) satisfies ``Codes``: ``saved`` flattens it
 into its tensors and rebuilds it in backward, and a weight gradient decodes it a few samples at
 a time through ``sample_range``. Decoding is the quantizer's job (``quantizer.unpack``), so this
@@ -14,7 +14,7 @@ from typing import Any, Protocol, Self, TypeGuard, runtime_checkable
 
 import torch
 
-__all__ = ['Codes', 'Mapped', 'Packed', 'QuantSpec', 'is_codes', 'sample_range']
+__all__ = ['Codes', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'is_codes', 'sample_range']
 
 
 @runtime_checkable
@@ -119,6 +119,39 @@ class Packed:
         else:
             return None
         return replace(self, data=data, shape=torch.Size((stop - start, *self.shape[1:])))
+
+
+@dataclass
+class Refined:
+    """An activation kept to about 16 bits as two 8-bit codes of the same groups: ``coarse``,
+    its own, and ``fine``, those of what ``coarse`` misses (one coarse step either way at most,
+    so each fine step is 2/255 of a coarse one). ``quantizer.refine`` makes them: attention
+    operands whose 8-bit replay would move the logits too far keep these."""
+
+    coarse: Packed
+    fine: Packed
+
+    shape = property(lambda self: self.coarse.shape)
+    dtype = property(lambda self: self.coarse.dtype)
+    bits = property(lambda self: 16)
+    group_dim = property(lambda self: self.coarse.group_dim)
+    group_size = property(lambda self: self.coarse.group_size)
+    backend = property(lambda self: self.coarse.backend)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.coarse.tensors(), *self.fine.tensors())
+
+    def meta(self) -> tuple:
+        return self.coarse.meta(), self.fine.meta()
+
+    @classmethod
+    def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> Refined:
+        return cls(Packed.rebuild(tensors[:3], meta[0]), Packed.rebuild(tensors[3:], meta[1]))
+
+    def sample_range(self, start: int, stop: int) -> Refined | None:
+        coarse = self.coarse.sample_range(start, stop)
+        fine = self.fine.sample_range(start, stop)
+        return None if coarse is None or fine is None else Refined(coarse, fine)
 
 
 @dataclass

@@ -10,6 +10,8 @@ to cover it, instead of being clipped (see ``reference.ema_update``). The arithm
 ``_backend.QuantBackend``: the compiled kernels (CPU or CUDA, one call each, bit packing
 included; on CPU ``pack`` observes and quantizes in one call) or the pure-PyTorch reference,
 with bit-identical results; ``_backend.select_backend`` picks it from the spec's ``backend``.
+``refine(packed, x)`` adds a second 8-bit pass over what ``packed`` misses (``Refined``, about
+16 bits), through the same kernels.
 """
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ import torch
 from torch import nn
 
 from ._backend import QuantBackend, select_backend
-from .codes import Codes, Mapped, Packed, QuantSpec, sample_range
+from .codes import Codes, Mapped, Packed, QuantSpec, Refined, sample_range
 from .reference import ema_update, group_min_max, scale_from_span
 from .rounding import reset_rounding_generators, rounding_counter
 
-__all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'ema_update',
-           'group_min_max', 'pack', 'reset_rounding_generators', 'rounding_counter',
+__all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'ema_update',
+           'group_min_max', 'pack', 'refine', 'reset_rounding_generators', 'rounding_counter',
            'sample_range', 'scale_from_span', 'unpack']
 
 
@@ -45,6 +47,17 @@ def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tens
                   spec.group_size, spec.backend)
 
 
+def refine(packed: Packed, x: torch.Tensor) -> Refined:
+    """``x``'s 8-bit codes ``packed`` with a second 8-bit pass over what they miss: about 16
+    bits (``Refined``). The second pass rounds to nearest over one coarse step either way of
+    each group, so it draws nothing from the rounding stream: later layers' codes stay those
+    of a run without it."""
+    residual = x.detach().float() - unpack(packed, torch.float32)
+    spec = QuantSpec(bits=8, group_dim=packed.group_dim, group_size=packed.group_size,
+                     stochastic=False, backend=packed.backend)
+    return Refined(packed, pack(residual, spec, -packed.scale, 2 * packed.scale))
+
+
 def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dequantize to the shape that was packed (contiguous), in ``dtype`` or the packed dtype.
 
@@ -55,6 +68,9 @@ def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
     """
     if isinstance(packed, Mapped):
         return packed.fn(unpack(packed.source, torch.float32)).to(dtype or packed.dtype)
+    if isinstance(packed, Refined):
+        coarse = unpack(packed.coarse, torch.float32)
+        return coarse.add_(unpack(packed.fine, torch.float32)).to(dtype or packed.dtype)
     if not isinstance(packed, Packed):
         return packed.restore(dtype)
     data = packed.data

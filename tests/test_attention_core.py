@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -16,12 +17,14 @@ from mmseg_mesa.layers.attention_core import (
     MesaAttentionFunction,
     add_mask,
     pack_heads,
+    refine_heads,
     relative_bias,
     unpack_heads,
     unpack_qkv,
 )
 from mmseg_mesa.memory import count_saved_tensors
-from mmseg_mesa.quantizer import ActivationQuantizer, QuantSpec
+from mmseg_mesa.quantizer import ActivationQuantizer, Packed, QuantSpec, Refined
+from mmseg_mesa.saved import load
 
 
 def quantizers(stochastic: bool = False) -> tuple[ActivationQuantizer, ...]:
@@ -58,12 +61,23 @@ def _operands(batch=6, heads=3, tokens=20, keys=20, dim=8, table_rows=30):
     return q, k, v, table, index
 
 
+def codes(x, quant, refined):
+    """What the Function keeps of an operand: its ``pack_heads`` codes, refined or not."""
+    packed = pack_heads(x, quant)
+    return refine_heads(packed, x) if refined else packed
+
+
+@pytest.mark.parametrize('refined', [False, True])
 @pytest.mark.parametrize('variant', VARIANTS)
 @pytest.mark.parametrize('chunk', [None, 4096, 9600])
-def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, chunk, monkeypatch):
+def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, chunk, refined,
+                                                                 monkeypatch):
     """The recomputed maps make backward the exact gradient of attention evaluated at the 8-bit
-    q, k and v, whether backward works through whole images or through blocks of rows."""
+    q, k and v (or the refined ones), whether backward works through whole images or through
+    blocks of rows."""
     use_table, groups, score_scale, dropout_p, need_map = variant
+    # these logits' 8-bit replay strays by 0.1-0.4: refined at any threshold below that
+    monkeypatch.setattr(attention_core, 'REFINE_ERROR', 0.0 if refined else math.inf)
     if chunk is not None:  # 3 heads x 20 x 20 fp32 is 4800 bytes: blocks of rows, or of
         # two whole images
         monkeypatch.setattr(attention_core, 'MAP_BLOCK_BYTES', chunk)
@@ -87,7 +101,7 @@ def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, chunk, 
     if need_map:
         loss = loss + result[1].sum(-2).square().sum() * 0  # the map's gradient path runs
     grads = torch.autograd.grad(loss, params)
-    decoded = [unpack_heads(pack_heads(x, quant), 3).detach().requires_grad_()
+    decoded = [unpack_heads(codes(x, quant, refined), 3).detach().requires_grad_()
                for x, quant in zip((q, k, v), quantizers())]
     torch.manual_seed(5)
     exact_out, _ = torch_attention(*decoded, table, index, mask, score_scale, dropout_p)
@@ -153,16 +167,21 @@ def test_compact_mask_is_exact():
     assert compact.bits is None and compact.restore() is many
 
 
-def test_no_map_is_saved():
-    """What the Function keeps grows with the tokens, not with their square."""
+@pytest.mark.parametrize('scale', [0.1, 1.0])
+def test_no_map_is_saved(scale):
+    """What the Function keeps grows with the tokens, not with their square: q, k and v at one
+    byte each where their replay holds (small logits), two where they are refined."""
     batch, heads, tokens, dim = 2, 4, 256, 16
-    q, k, v = (torch.randn(batch, heads, tokens, dim, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(batch, heads, tokens, dim) * scale for _ in range(3))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     mask = torch.where(torch.rand(1, 1, tokens, tokens) < 0.1, -100.0, 0.0)
     with count_saved_tensors() as report:
         out = MesaAttentionFunction.apply(q, k, v, None, None, mask, None, 0.1, False,
                                           quantizers(stochastic=True))
     one_map = batch * heads * tokens * tokens  # the uint8 codes Mesa keeps of the map
-    operands = 3 * batch * heads * tokens * dim  # q, k, v at one byte each
+    kept = [type(item) for item in load(out.grad_fn)[:3]]
+    assert kept == [Packed] * 3 if scale < 1 else kept == [Refined] * 3
+    operands = 3 * batch * heads * tokens * dim * (1 if scale < 1 else 2)
     # the operands, their ranges, the mask and the dropout keep mask at one bit per element
     assert report.total_bytes < operands + one_map / 8 + tokens * tokens / 8 + 4096
     out.sum().backward()
@@ -282,3 +301,34 @@ def test_saved_bytes_report_counts_the_maps(attention_maps):
         assert one_map <= mesa.softmax_bytes < one_map * 2
     else:
         assert mesa.softmax_bytes == 0
+
+
+@pytest.mark.parametrize('scale', [0.3, 2.0])
+def test_logits_an_8_bit_replay_would_move_keep_refined_operands(scale, monkeypatch):
+    """q, k and v are refined to about 16 bits where a replay from 8-bit ones would move the
+    logits by more than ``REFINE_ERROR`` (larger logits, as training makes them): the
+    gradient is then close to torch's, where 8-bit operands miss it; small logits keep 8 bits."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 64, 16, generator=gen) for _ in range(3))
+    q, k, v = (x.requires_grad_() for x in (q * scale, k * scale, v))
+    grad = torch.randn(2, 3, 64, 16, generator=gen)
+    exact = torch.autograd.grad(
+        ((F.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v) * grad).sum(), (q, k, v))
+
+    def error(threshold):
+        monkeypatch.setattr(attention_core, 'REFINE_ERROR', threshold)
+        out = MesaAttentionFunction.apply(q, k, v, None, None, None, 0.25, 0.0, False,
+                                          quantizers(stochastic=True))
+        kept = {type(item) for item in load(out.grad_fn)[:3]}
+        got = torch.autograd.grad((out * grad).sum(), (q, k, v))
+        got, want = (torch.cat([g.flatten() for g in grads]) for grads in (got, exact))
+        return ((got - want).norm() / want.norm()).item(), kept
+
+    default = attention_core.REFINE_ERROR
+    eight_bit, kept = error(math.inf)
+    assert kept == {Packed}
+    ours, kept = error(default)
+    if scale < 1:  # replays within 0.005: 8 bits as they are
+        assert kept == {Packed} and ours == pytest.approx(eight_bit, rel=0.2)
+    else:  # 8 bits replay within 0.15 only: gradient error 0.03
+        assert kept == {Refined} and eight_bit > 0.02 and ours < 0.001

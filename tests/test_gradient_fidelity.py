@@ -83,3 +83,30 @@ def test_independent_batches_report_errors_and_coherence(tmp_path):
     assert 0.0 < found['coherence'] < 3 ** 0.5
     bad = run_tool('gradient_fidelity', DEMO, '--batches', '0')
     assert bad.returncode != 0 and '--batches must be at least 1' in bad.stderr
+
+
+def test_sharpen_attention_scales_queries_and_keys_only():
+    """``--sharpen F`` multiplies q and k (logits by F**2) and leaves v, in
+    ``nn.MultiheadAttention`` and in attention with one qkv Linear (BEiT's q_bias too)."""
+    from mmseg.models.backbones.beit import BEiTAttention
+
+    from mmseg_mesa.bench.fidelity import sharpen_attention
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    torch.nn.init.normal_(mha.in_proj_bias)
+    beit = BEiTAttention(8, 2, (2, 2), bias='qv_bias')
+    torch.nn.init.normal_(beit.q_bias)
+    x = torch.randn(2, 5, 8)
+
+    def qkv():
+        q = x @ mha.in_proj_weight.t() + mha.in_proj_bias
+        b = torch.cat([beit.q_bias, torch.zeros_like(beit.v_bias), beit.v_bias])
+        return q, x @ beit.qkv.weight.t() + b
+
+    before = qkv()
+    assert sharpen_attention(torch.nn.Sequential(mha, beit), 3.0) == 2
+    for old, new in zip(before, qkv()):
+        assert torch.allclose(new[..., :16], 3 * old[..., :16], atol=1e-5)
+        assert torch.equal(new[..., 16:], old[..., 16:])
+    with pytest.raises(ValueError, match='no nn.MultiheadAttention'):
+        sharpen_attention(torch.nn.Linear(3, 3), 2.0)

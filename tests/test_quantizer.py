@@ -355,3 +355,30 @@ def test_quantizer_chooses_its_backend_once_per_device(monkeypatch):
     assert asked == ['torch'] and q.backend_for(torch.zeros(1)) is REFERENCE
     assert copy.deepcopy(q)._backends == {} and pickle.loads(pickle.dumps(q))._backends == {}
     assert q._backends == {'cpu': REFERENCE}
+
+
+@pytest.mark.parametrize('stochastic', [False, True])
+def test_refined_codes_hold_a_255th_of_a_step(stochastic):
+    """A second 8-bit pass over what 8-bit codes miss keeps every value within 1/255 of a coarse
+    step (about 16 bits, ``quantizer.refine``); the codes slice by samples and rebuild from
+    what they save, and the pure-PyTorch backend refines to the same codes."""
+    import dataclasses
+
+    from mmseg_mesa.quantizer import Refined, refine
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 50, 24, generator=gen) * torch.rand(24, generator=gen) * 5 \
+        + torch.randn(24, generator=gen)
+    packed = ActivationQuantizer(QuantSpec(bits=8, group_dim=-1, stochastic=stochastic)).pack(x)
+    refined = refine(packed, x)
+    assert refined.bits == 16 and refined.shape == x.shape
+
+    def steps(codes):
+        return ((unpack(codes, torch.float32) - x).abs() / packed.scale).max()
+
+    assert steps(packed) > 0.45 and steps(refined) <= 1.01 / 255  # fp32 rounding: 1%
+    assert torch.equal(unpack(refined.sample_range(1, 3)), unpack(refined)[1:3])
+    assert torch.equal(unpack(Refined.rebuild(refined.tensors(), refined.meta())),
+                       unpack(refined))
+    reference = refine(dataclasses.replace(packed, backend='torch'), x)
+    assert all(torch.equal(a, b) for a, b in zip(reference.tensors(), refined.tensors()))
+    assert unpack(refine(packed, x.bfloat16()), torch.bfloat16).dtype == torch.bfloat16

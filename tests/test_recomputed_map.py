@@ -1,5 +1,6 @@
 """Attention written op by op keeps no map: the softmax and ``attn @ v`` replay it from q, k."""
 import copy
+import math
 
 import pytest
 import torch
@@ -7,10 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmseg_mesa import MesaConfig
-from mmseg_mesa.layers import recomputed_map, softmax
+from mmseg_mesa.codes import Packed, Refined
+from mmseg_mesa.layers import attention_core, recomputed_map, softmax
 from mmseg_mesa.layers.intercept import MesaFunctional
 from mmseg_mesa.layers.recomputed_map import MesaLogitsFunction
 from mmseg_mesa.memory import count_saved_tensors
+from mmseg_mesa.saved import load
 
 
 class OpByOpAttention(nn.Module):
@@ -69,6 +72,8 @@ def counting(monkeypatch):
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_maps_are_replayed_bit_identically_forward_and_closely_backward(monkeypatch, dtype):
+    # 8-bit q and k (these random logits' 8-bit replay strays by more than ``REFINE_ERROR``)
+    monkeypatch.setattr(attention_core, 'REFINE_ERROR', math.inf)
     torch.manual_seed(0)
     ref = OpByOpAttention()
     x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
@@ -205,6 +210,7 @@ def test_a_softmax_child_replays_or_packs_the_map_once(monkeypatch, variant):
     if variant is None:
         assert calls == ['MesaLogitsFunction', 'MesaMapSoftmaxFunction', 'MesaMapMatMulFunction']
     else:  # attn @ v is a MesaMatMulFunction that took the softmax's codes
+        print("REL8", relative(grads, exact))
         assert calls == ['MesaLogitsFunction']
         assert sum(reuse.hits.values()) == 1, reuse.summary()
     assert torch.equal(got, want) and relative(grads, exact) < 0.02
@@ -221,7 +227,7 @@ def test_logits_need_several_keys():
 def test_logits_a_replay_would_miss_by_much_keep_their_map(monkeypatch):
     """Logits scaled up so far that their 8-bit replay strays by more than
     ``MAX_REPLAY_ERROR``, which torch cannot recompute exactly from q and k (a learned bias is
-    added: its gradient would be lost), keep an 8-bit map instead."""
+    added: its gradient would be lost), keep an 8-bit map instead, refined q and k or not."""
     torch.manual_seed(0)
     ref = OpByOpAttention()
     ref.scale = 40.0
@@ -238,6 +244,34 @@ def test_logits_a_replay_would_miss_by_much_keep_their_map(monkeypatch):
     assert errors and min(errors) > recomputed_map.MAX_REPLAY_ERROR
     assert calls == ['MesaLogitsFunction'] and torch.equal(got, want)
     assert any(key.endswith('softmax_output') for key in ours.mesa_sites)
+
+
+def test_logits_an_8_bit_replay_would_move_replay_from_refined_q_k_and_v(monkeypatch):
+    """Logits whose 8-bit replay strays by more than ``REFINE_ERROR`` (measured on the
+    product) but not so far that the map is sharp keep q, k and v refined to about 16 bits, and
+    replay the map from them: the gradient is closer to torch's than with 8-bit ones."""
+    torch.manual_seed(0)
+    ref = OpByOpAttention()
+    ref.bias.data.mul_(0.1)  # a small position bias and a two-valued window mask (Swin's):
+    ref.mask.copy_(torch.where(ref.mask < -20, -100.0, 0.0))  # their codes add little
+    x, grad = torch.randn(4, 16, 32) * 3, torch.randn(4, 16, 32)
+    _, exact, _ = run(ref, x, grad)
+    errors, recipes = [], []
+    replays = recomputed_map.replays
+    monkeypatch.setattr(softmax, 'replays', lambda r: recipes.append(r) or replays(r))
+    for threshold in (math.inf, attention_core.REFINE_ERROR):
+        monkeypatch.setattr(attention_core, 'REFINE_ERROR', threshold)
+        ours = copy.deepcopy(ref)
+        MesaFunctional.convert(ours, MesaConfig())
+        y = copy.deepcopy(ours)(x.requires_grad_())  # the same first step, its graph to look at
+        nodes = {getattr(n, '_forward_cls', None): n for n in graph_nodes(y)}
+        kept = [type(codes) for cls in (MesaLogitsFunction, recomputed_map.MesaMapMatMulFunction)
+                for codes in load(nodes[cls]) if codes is not None]
+        assert kept == [Refined if threshold < math.inf else Packed] * 3
+        got, grads, _ = run(ours, x, grad)
+        errors.append(relative(grads, exact))
+    assert all(replays(r) for r in recipes) and recipes[-1].refined
+    assert errors[1] < errors[0] / 10  # 0.0005 against 0.021
 
 
 class SharpAttention(nn.Module):
@@ -257,18 +291,22 @@ class SharpAttention(nn.Module):
         return (attn @ v).transpose(1, 2).reshape(b, n, c)
 
 
-def mesa_logits_nodes(y):
-    """The ``MesaLogitsFunction`` nodes in ``y``'s graph."""
+def graph_nodes(y):
+    """The nodes of ``y``'s graph."""
     found, seen, todo = [], set(), [y.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if getattr(node, '_forward_cls', None) is MesaLogitsFunction:
-            found.append(node)
+        found.append(node)
         todo.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def mesa_logits_nodes(y):
+    """The ``MesaLogitsFunction`` nodes in ``y``'s graph."""
+    return [n for n in graph_nodes(y) if getattr(n, '_forward_cls', None) is MesaLogitsFunction]
 
 
 @pytest.mark.parametrize('factor, dropout', [(40.0, 0.0), (40.0, 0.2), (1.0, 0.0)])
@@ -384,3 +422,38 @@ def test_a_softmax_child_of_sharp_logits_leaves_the_attention_to_torch():
     assert torch.equal(got, want) and relative(grads, exact) < 1e-6
     assert mesa_logits_nodes(ours(x.requires_grad_())) == []
     assert report.left_to_torch() == {('Softmax', SHARP_MAP): 2}
+
+
+class SharpDropoutChildAttention(SharpAttention):
+    """``SharpAttention`` with dropout on its map an ``nn.Dropout`` child (timm's and
+    mmpretrain's form), which the conversion makes a ``MesaDropout``."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn_drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attn = self.attn_drop((q @ k.transpose(-2, -1) * self.factor).softmax(dim=-1))
+        return (attn @ v).transpose(1, 2).reshape(b, n, c)
+
+
+def test_a_dropout_child_on_a_sharp_map_leaves_attn_v_to_torch():
+    """The dropped sharp map an ``nn.Dropout`` child returns is still one torch keeps: ``attn @
+    v`` is torch's and the gradients exact (packing the dropped map would lose them)."""
+    from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa.layers.dropout import MesaDropout
+    from mmseg_mesa.layers.recomputed_map import SHARP_MAP
+    torch.manual_seed(0)
+    ref = SharpDropoutChildAttention()
+    ours = copy.deepcopy(ref)
+    report = convert_to_mesa(ours, config=MesaConfig(skip=('qkv',)))  # exact q, k, v
+    assert isinstance(ours.attn_drop, MesaDropout)
+    x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    torch.manual_seed(2)
+    got, grads, _ = run(ours, x, grad)
+    torch.manual_seed(2)
+    want, exact, _ = run(ref, x, grad)
+    assert torch.equal(got, want) and relative(grads, exact) < 1e-6
+    assert report.left_to_torch() == {('SharpDropoutChildAttention', SHARP_MAP): 1}

@@ -2,7 +2,8 @@
 
     python tools/gradient_fidelity.py [CONFIG] [--presets config default paper ...]
         [--batch 2] [--size 128 128] [--no-init-weights] [--draws 1] [--batches 1]
-        [--checkpoint PATH] [--json PATH] [--cfg-options mesa.stochastic_rounding=False ...]
+        [--checkpoint PATH] [--sharpen F] [--json PATH]
+        [--cfg-options mesa.stochastic_rounding=False ...]
 
 Builds the config's model (random weights unless ``--checkpoint``; SyncBN reverted), takes the
 exact gradient of one training step on a random batch, then for each preset the Mesa gradient
@@ -23,6 +24,9 @@ prints each one's error and their coherence, ``||sum d_k|| / sqrt(sum ||d_k||^2)
 vectors: about 1 when they are independent, sqrt(K) when every batch has the same error (a bias
 training would accumulate). It is the test for codes rounded to nearest, whose error no number of
 draws changes.
+``--sharpen F`` multiplies every attention's query and key projections by F: random weights
+give nearly flat maps, while trained and pretrained ones (which segmentation starts from) give
+sharp ones, whose logits 8-bit q and k replay less closely.
 ``config`` in ``--presets`` is the config's own ``mesa`` setting (the default preset for a plain
 mmseg config); ``--cfg-options mesa.KEY=VALUE`` changes it.
 """
@@ -42,6 +46,7 @@ from mmseg_mesa.bench.fidelity import (
     measure_batches,
     mesa_config_for,
     relative_error,
+    sharpen_attention,
     split,
 )
 from mmseg_mesa.bench.models import (
@@ -73,6 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument('--no-init-weights', dest='init_weights', action='store_false',
                         help="skip the model's init_weights() (construction-time values)")
     parser.add_argument('--checkpoint', help='weights to load (an mmengine checkpoint)')
+    parser.add_argument('--sharpen', type=float, default=1.0, metavar='F',
+                        help="multiply every attention's query and key projections by F "
+                             "(logits by F**2: maps as sharp as training makes them)")
     parser.add_argument('--json', help='write the results as JSON here')
     add_cfg_options(parser)
     args = parser.parse_args(argv)
@@ -93,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
         allow_mmengine_checkpoints()
         state = torch.load(args.checkpoint, map_location='cpu')
         reference.load_state_dict(state.get('state_dict', state))
+    if args.sharpen != 1.0:
+        sharpen_attention(reference, args.sharpen)
     batch, other = split(make_batch(cfg, 2 * args.batch, size, 'cpu'), args.batch)
     # every step from the same state: a training forward may update state it reads (EMANet's
     # bases), so each one runs on a copy
@@ -100,9 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
     noise = relative_error(gradients(copy.deepcopy(reference), other), exact)
     results = dict(config=osp.relpath(osp.abspath(args.config), ROOT), size=list(size),
                    batch=args.batch, init_weights=args.init_weights,
-                   checkpoint=args.checkpoint, minibatch_noise=noise, presets={})
+                   checkpoint=args.checkpoint, sharpen=args.sharpen, minibatch_noise=noise,
+                   presets={})
     print(f"{results['config']}  size={size[0]}x{size[1]}  batch={args.batch}  "
-          f"init_weights={args.init_weights}")
+          f"init_weights={args.init_weights}  sharpen={args.sharpen:g}")
     print(f'minibatch noise (exact gradients of two batches): {noise:.4f}')
     print(f'{"preset":<12}{"draws":>6}{"rel. error":>12}{"/ noise":>9}{"this draw":>11}'
           f'{"worst cosine":>14}  parameter')

@@ -92,6 +92,35 @@ def build_reference(cfg: Any, init_weights: bool) -> torch.nn.Module:
     return build_segmentor(cfg, init_weights=False).train()
 
 
+def sharpen_attention(model: torch.nn.Module, factor: float) -> int:
+    """Multiply the query and key projections of every attention in ``model`` by ``factor``
+    (its logits by ``factor ** 2``), as training sharpens maps that start nearly flat at
+    initialization; returns how many attentions it changed. It knows ``nn.MultiheadAttention``
+    (mmseg's ViT) and attention with one ``qkv`` Linear (Swin's, BEiT's, timm's, mmpretrain's,
+    BEiT's separate ``q_bias`` too)."""
+    changed = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.MultiheadAttention) and module._qkv_same_embed_dim:
+                rows = slice(0, 2 * module.embed_dim)
+                params = [module.in_proj_weight, module.in_proj_bias]
+            elif isinstance(getattr(module, 'qkv', None), torch.nn.Linear) \
+                    and module.qkv.out_features % 3 == 0:
+                rows = slice(0, 2 * module.qkv.out_features // 3)
+                params = [module.qkv.weight, module.qkv.bias]
+                params.append(getattr(module, 'q_bias', None))
+            else:
+                continue
+            for i, param in enumerate(params):
+                if param is not None:
+                    (param if i == 2 else param[rows]).mul_(factor)
+            changed += 1
+    if not changed:
+        raise ValueError('sharpen_attention: no nn.MultiheadAttention or attention with a qkv '
+                         'Linear in the model')
+    return changed
+
+
 def split(batch: tuple, n: int) -> tuple[tuple, tuple]:
     inputs, samples = batch
     return (inputs[:n], samples[:n]), (inputs[n:], samples[n:])

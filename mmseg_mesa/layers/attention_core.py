@@ -9,6 +9,11 @@ per-head range would spread over every channel of the head), the relative positi
 shifted windows, Twins' padding) and the 1-bit keep mask of attention dropout. Mesa itself keeps
 an 8-bit copy of every map: ``heads x N x N`` bytes per image and layer, quadratic in the tokens.
 
+Where a replay from the 8-bit q and k would move the logits by more than ``REFINE_ERROR`` on
+a few sampled rows (logits that training has made large: maps sharper than at initialization),
+q, k and v keep a second 8-bit pass each (``refined_heads``, ``quantizer.refine``: about 16
+bits), measured and decided per call in forward.
+
 Backward recomputes each map from the decoded q and k and renormalizes it with a softmax of the
 recomputed logits, by blocks of rows (``MAP_BLOCK_BYTES`` of fp32 each), so no full map exists
 in backward either. Renormalizing matters: the logits' quantization error is exponentiated, and
@@ -19,14 +24,14 @@ maps").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import MesaConfig
-from ..quantizer import ActivationQuantizer, unpack
+from ..quantizer import ActivationQuantizer, refine, sample_range, unpack
 from ..saved import PackedMask, load, save
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
 from .dropout import dropout_with_mask
@@ -84,11 +89,16 @@ class CompactMask:
 NO_MASK = CompactMask(None, None, None, None)
 
 
+def head_rows(x: torch.Tensor) -> torch.Tensor:
+    """A ``(B, H, N, d)`` attention operand as the ``(B, N, H * d)`` rows ``pack_heads``
+    packs (a copy unless it is laid out so already)."""
+    batch, heads, tokens, dim = x.shape
+    return x.detach().transpose(1, 2).reshape(batch, tokens, heads * dim)
+
+
 def pack_heads(x: torch.Tensor, quantizer: ActivationQuantizer) -> Any:
     """Pack a ``(B, H, N, d)`` attention operand with one group per head and channel."""
-    batch, heads, tokens, dim = x.shape
-    rows = x.detach().transpose(1, 2).reshape(batch, tokens, heads * dim)
-    return quantizer.pack(rows)
+    return quantizer.pack(head_rows(x))
 
 
 def unpack_heads(packed: Any, heads: int) -> torch.Tensor:
@@ -108,6 +118,85 @@ def unpack_qkv(packed: Any, heads: int, q_scale: float
     q, k, v = rows.view(batch, tokens, 3, heads, channels // (3 * heads)).permute(
         2, 0, 3, 1, 4).contiguous()
     return q.mul_(q_scale), k, v
+
+
+# Rows of the logits (of the first image, every head) on which a replay's error is measured.
+SAMPLED_ROWS = 8
+# The largest difference, in logits, that a replay of the map from 8-bit q and k may make on
+# the sampled rows; beyond it q and k keep a second 8-bit pass (``quantizer.refine``, about 16
+# bits). Logits grow as a model trains (its maps sharpen) and with the tokens a row holds: 8-bit
+# q and k cost DeiT-S UPerNet at 512x512 a gradient error of 0.085 with its q and k four times
+# their initial size (logits 16 times), 0.73 at eight times; 16-bit ones 0.006 and 0.015. At
+# initialization mmseg's attention replays within 0.002-0.03 (docs/benchmarks.md).
+REFINE_ERROR = 0.05
+
+
+def first_image(codes: Any, batch: int) -> Any:
+    """The codes of the first image of a batch of ``batch`` where they slice so, else all."""
+    part = (sample_range(codes, 0, 1)
+            if batch > 1 and len(codes.shape) > 2 and codes.shape[0] == batch else None)
+    return codes if part is None else part
+
+
+def replay_error(q_hat: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> float:
+    """The largest difference between ``q_hat @ k_hat^T`` and ``q @ k^T`` on the first
+    ``SAMPLED_ROWS`` rows of the first image, every head: ``(B, H, N, d)`` operands (decoded ones
+    in fp32, of the first image at least; k's heads may divide q's, as grouped queries do)."""
+    rows = slice(0, SAMPLED_ROWS)
+    repeats = q.shape[1] // k.shape[1]
+    if repeats > 1:
+        k_hat, k = (t[:1].repeat_interleave(repeats, 1) for t in (k_hat, k))
+    replayed = q_hat[:1, :, rows] @ k_hat[:1].transpose(-2, -1)
+    exact = q[:1, :, rows].float() @ k[:1].float().transpose(-2, -1)
+    return (replayed - exact).abs().max().item()
+
+
+def heads_error(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float
+                ) -> float:
+    """``replay_error`` of the logits ``q @ k^T * scale`` from q's and k's ``pack_heads``
+    codes."""
+    batch = q.shape[0]
+    return replay_error(unpack_heads(first_image(codes_q, batch), q.shape[1]),
+                        unpack_heads(first_image(codes_k, batch), k.shape[1]), q, k) * abs(scale)
+
+
+def refine_heads(codes: Any, x: torch.Tensor) -> Any:
+    """``pack_heads`` codes of ``x`` refined to about 16 bits (``quantizer.refine``)."""
+    return refine(codes, head_rows(x))
+
+
+class HeadCodes(NamedTuple):
+    """What ``refined_heads`` keeps of q and k, and how far a replay from it strays."""
+
+    q: Any
+    k: Any
+    refined: bool
+    coarse_error: float  # the replay's from the 8-bit codes
+    error: float  # from the codes kept
+
+
+def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float
+                  ) -> HeadCodes:
+    """``pack_heads`` codes of q and k, refined to about 16 bits where a replay of the logits
+    ``q @ k^T * scale`` from them would stray by more than ``REFINE_ERROR``. Where they are,
+    the caller refines v's too: a map sharp enough for this passes v's rounding on to the
+    gradient (DeiT-S UPerNet's above: 0.019 and 0.036 with v at 8 bits)."""
+    error = heads_error(q, k, codes_q, codes_k, scale)
+    if error <= REFINE_ERROR:
+        return HeadCodes(codes_q, codes_k, False, error, error)
+    codes_q, codes_k = refine_heads(codes_q, q), refine_heads(codes_k, k)
+    return HeadCodes(codes_q, codes_k, True, error, heads_error(q, k, codes_q, codes_k, scale))
+
+
+def refined_qkv(qkv: torch.Tensor, codes: Any, q: torch.Tensor, k: torch.Tensor,
+                q_scale: float, scale: float) -> Any:
+    """The codes of a ``(B, N, 3 * H * d)`` projection, refined as ``refined_heads`` refines
+    q's and k's (v with them: they are one tensor's codes)."""
+    q_hat, k_hat, _ = unpack_qkv(first_image(codes, q.shape[0]), q.shape[1], q_scale)
+    if replay_error(q_hat, k_hat, q, k) * abs(scale) <= REFINE_ERROR:
+        return codes
+    return refine(codes, qkv)
 
 
 def relative_bias(table: torch.Tensor, index: torch.Tensor, queries: int, keys: int
@@ -189,13 +278,18 @@ class MesaAttentionFunction(torch.autograd.Function):
         ctx.meta = (q.dtype, k.dtype, v.dtype, table.dtype if table is not None else None,
                     q.shape[1], score_scale, dropout_p, queries, keys,
                     None if qkv is None else q_scale)
+        scale = 1.0 if score_scale is None else score_scale
         if qkv is None:
             packed = [pack_heads(x, quant) for x, quant in zip((q, k, v), quantizers)]
+            codes = refined_heads(q, k, packed[0], packed[1], scale)
+            if codes.refined:
+                packed = [codes.q, codes.k, refine_heads(packed[2], v)]
         else:
             if qkv.shape != (q.shape[0], queries, 3 * q.shape[1] * q.shape[3]):
                 raise ValueError(f'MesaAttentionFunction: qkv of shape {tuple(qkv.shape)} is '
                                  f'not the projection of q {tuple(q.shape)}')
-            packed = [quantizers[0].pack(qkv.detach())]
+            packed = [refined_qkv(qkv.detach(), quantizers[0].pack(qkv.detach()), q, k,
+                                  q_scale, scale)]
         compact = CompactMask.of(mask.detach()) if mask is not None else NO_MASK
         save(ctx, *packed, table, index, compact.bits, compact.low, compact.high, compact.full,
              PackedMask.of(keep) if keep is not None else None)

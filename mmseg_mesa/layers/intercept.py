@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.utils import _pair
 from torch.overrides import TorchFunctionMode
 
@@ -175,8 +176,19 @@ def _worth_packing(t: Any, other: Any) -> bool:
     return t.numel() > SMALL_OPERAND_FRACTION * out
 
 
+def _pass_kept_map(source: Any, result: Any) -> None:
+    """Dropout on a map torch's softmax keeps in full (``recomputed_map.exact_logits``) gives
+    a map to leave to torch too: ``attn @ v`` reads the dropped map, and packing it would
+    lose what the sharp map's gradient rests on."""
+    recipe = recipe_of(source)
+    if recipe is not None and recipe.kept and isinstance(result, torch.Tensor):
+        offer_map(result, recipe)
+
+
 class _ChildDepth:
     """Forward (pre-)hook on a child: counts running children, so calls they make are theirs.
+    The hook after a dropout child also passes a kept map on (``_pass_kept_map``), as the
+    functional ``F.dropout`` route does: the child's own call is not the owner's.
 
     An object rather than a closure so that ``copy.deepcopy`` of the model points the copy's
     hooks at the copied parent.
@@ -186,8 +198,10 @@ class _ChildDepth:
         self.parent = parent
         self.step = step
 
-    def __call__(self, *_: Any) -> None:
+    def __call__(self, module: nn.Module, args: tuple, *output: Any) -> None:
         self.parent.mesa_child_depth += self.step
+        if output and args and isinstance(module, _DropoutNd):
+            _pass_kept_map(args[0], output[0])
 
 
 class _Capture(TorchFunctionMode):
@@ -216,9 +230,7 @@ class _Capture(TorchFunctionMode):
         if func in _MAP_STEPS and self.recomputes_maps and not kwargs:
             self._follow_map(_MAP_STEPS[func], args, result)
         elif func in _DROPOUTS and self.recomputes_maps and args:
-            recipe = recipe_of(args[0])
-            if recipe is not None and recipe.kept and isinstance(result, torch.Tensor):
-                offer_map(result, recipe)
+            _pass_kept_map(args[0], result)
         return result
 
     @functools.cached_property

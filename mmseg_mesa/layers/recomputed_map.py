@@ -8,9 +8,11 @@ channel). Converted attention (``attention_core``) keeps no map: backward recomp
 8-bit q and k. This does the same for the op-by-op form:
 
 - multi-head logits ``q @ k`` are computed by ``MesaLogitsFunction``, which packs q and k per
-  head and channel (as converted attention does) for its own backward; single-head ones (OCR's,
-  DANet's blocks) by ``MesaMatMulFunction`` as before. Either carries a ``Recipe``, offered
-  through the hand-off ``handoff.MAPS``, with the replay's error measured on a few rows;
+  head and channel (as converted attention does) for its own backward, refined to about 16 bits
+  where 8 bits would replay the product too loosely (``attention_core.refined_heads``; v is
+  then refined by the ``attn @ v`` that follows); single-head ones (OCR's, DANet's blocks) by
+  ``MesaMatMulFunction`` as before. Either carries a ``Recipe``, offered through the hand-off
+  ``handoff.MAPS``, with the replay's error from 8-bit codes measured on a few rows;
 - each element-wise step with a scalar or a batch-independent operand (a scale, a position
   bias, a window mask) and each reshape extends it; an operand larger than
   ``KEPT_OPERAND_FRACTION`` of the logits is kept as codes of its own;
@@ -37,10 +39,10 @@ import torch.nn.functional as F
 
 from ..codes import is_codes
 from ..handoff import MAPS
-from ..quantizer import ActivationQuantizer, sample_range, unpack
+from ..quantizer import ActivationQuantizer, Packed, refine, unpack
 from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
-from .attention_core import pack_heads, unpack_heads
+from .attention_core import SAMPLED_ROWS, first_image, pack_heads, refined_heads, unpack_heads
 from .autocast import no_autocast_backward, returns_owned
 from .matmul import MesaMatMulFunction, autocast_matmul, left_gradient, right_gradient
 
@@ -102,8 +104,12 @@ class Recipe:
     source: Any  # the node of a MesaLogitsFunction or MesaMatMulFunction call
     steps: tuple[tuple[str, Any], ...] = ()
     # how far the replay may stray from the forward's values: the largest difference measured
-    # on sampled rows of the logits, times the gain of each step since
+    # on sampled rows of the logits, times the gain of each step since; from 8-bit q and k even
+    # where the source refined them (``attention_core.refined_heads``): it says how sharp the
+    # map is, which decides whether it is replayed at all
     error: float = 0.0
+    # whether the source keeps q and k refined: ``attn @ v`` then refines v's codes too
+    refined: bool = False
     # the product's operands, for ``exact_logits``
     operands: tuple[WeakOperand, WeakOperand] | None = None
     # a map torch's softmax keeps in full (``exact_logits``): ``attn @ v`` is left to torch too
@@ -198,28 +204,23 @@ def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Recipe |
         return None
     if source not in (MesaMatMulFunction, MesaLogitsFunction):
         return None
-    return Recipe(node, error=sampled_error(node, a, b),
+    if source is MesaLogitsFunction:  # measured as its forward packed
+        refined, error = node.replay
+    else:
+        refined, error = False, sampled_error(node, a, b)
+    return Recipe(node, error=error, refined=refined,
                   operands=(WeakOperand.of(a), WeakOperand.of(b)))
 
 
-# Rows of the logits (per image and head) on which the replay's error is measured.
-SAMPLED_ROWS = 8
-
-
 def sampled_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference between the replayed and the forward's logits on the first
-    ``SAMPLED_ROWS`` rows of the first image (each head): only that image's codes are decoded."""
+    """The largest difference between the replayed and the forward's product of a
+    ``MesaMatMulFunction`` on the first ``SAMPLED_ROWS`` rows of the first image: only that
+    image's codes are decoded."""
     batch = a.shape[0] if a.dim() > 2 else 1
     with torch.no_grad():
-        packed_a, packed_b = load(node)
-        if node._forward_cls is MesaLogitsFunction:
-            q = _first(unpack_heads(_first_codes(packed_a, batch), node.heads), batch)
-            k = _first(unpack_heads(_first_codes(packed_b, batch), node.heads), batch)
-            replayed = q[..., :SAMPLED_ROWS, :] @ k.transpose(-2, -1)
-        else:
-            decoded = [_first(unpack(_first_codes(p, batch), torch.float32), batch)
-                       for p in (packed_a, packed_b)]
-            replayed = decoded[0][..., :SAMPLED_ROWS, :] @ decoded[1]
+        decoded = [_first(unpack(first_image(p, batch), torch.float32), batch)
+                   for p in load(node)]
+        replayed = decoded[0][..., :SAMPLED_ROWS, :] @ decoded[1]
         exact = (_first(a, batch)[..., :SAMPLED_ROWS, :].float() @ _first(b, batch).float())
         return (replayed - exact).abs().max().item()
 
@@ -227,14 +228,6 @@ def sampled_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> float:
 def _first(t: torch.Tensor, batch: int) -> torch.Tensor:
     """The first image of a batch-shaped operand; an operand without the batch dim whole."""
     return t[:1] if t.dim() > 2 and t.shape[0] == batch else t
-
-
-def _first_codes(packed: Any, batch: int) -> Any:
-    """The codes of the first image where the codes allow slicing them (``sample_range``), else
-    all of them."""
-    part = (sample_range(packed, 0, 1)
-            if len(packed.shape) > 2 and packed.shape[0] == batch > 1 else None)
-    return packed if part is None else part
 
 
 def logits(node: Any) -> torch.Tensor:
@@ -269,7 +262,12 @@ class MesaLogitsFunction(torch.autograd.Function):
                 quant_b: ActivationQuantizer) -> torch.Tensor:
         y, ac, bc = autocast_matmul(ctx, a, b)
         ctx.heads = a.shape[1]
-        save(ctx, pack_heads(ac, quant_a), pack_heads(bc.transpose(-2, -1), quant_b))
+        k = bc.transpose(-2, -1)
+        # measured on the product (a scale or bias the recipe follows comes later), refined
+        # where 8 bits would stray (``attention_core.refined_heads``)
+        codes = refined_heads(ac, k, pack_heads(ac, quant_a), pack_heads(k, quant_b), 1.0)
+        ctx.replay = (codes.refined, codes.coarse_error)
+        save(ctx, codes.q, codes.k)
         return y
 
     @staticmethod
@@ -334,7 +332,14 @@ class MesaMapMatMulFunction(torch.autograd.Function):
                 quant_b: ActivationQuantizer) -> torch.Tensor:
         y, _, bc = autocast_matmul(ctx, a, b)
         ctx.map = recipe if ctx.needs_input_grad[1] else None
-        save(ctx, packed_reusing(b, bc, quant_b) if ctx.needs_input_grad[0] else None)
+        packed_b = None
+        if ctx.needs_input_grad[0]:
+            packed_b = packed_reusing(b, bc, quant_b)
+            if recipe.refined:  # v of a map that needs refined q and k (``refined_heads``)
+                if not isinstance(packed_b, Packed) or packed_b.shape != bc.shape:
+                    packed_b = quant_b.pack(bc)
+                packed_b = refine(packed_b, bc)
+        save(ctx, packed_b)
         return y
 
     @staticmethod

@@ -9,7 +9,9 @@ caller's arguments and with grad mode on as the caller had it (torch picks its k
 whether the inputs need gradients), so the output is torch's to the bit whichever kernel torch
 picks, and under autocast as torch casts. For backward it keeps q, k and v as 8-bit codes, one
 group per head and channel (``attention_core.pack_heads``: attention operands have outlier
-channels a per-head range would spread over every channel of the head), a Parameter operand as
+channels a per-head range would spread over every channel of the head; refined to about 16 bits
+where 8-bit q and k would replay the logits too loosely, ``attention_core.refined_heads``), a
+Parameter operand as
 it is, a mask at 1 bit per element when it holds two values (a boolean mask, an additive
 ``0 / -inf`` one; broadcast dimensions are kept at size 1), any other mask as it is, and nothing
 for ``is_causal``. Backward recomputes each map from the decoded operands by blocks of rows and
@@ -42,7 +44,14 @@ from torch import nn
 
 from ..quantizer import ActivationQuantizer
 from ..saved import PackedMask, load, save
-from .attention_core import CompactMask, pack_heads, recompute_gradients, unpack_heads
+from .attention_core import (
+    CompactMask,
+    pack_heads,
+    recompute_gradients,
+    refine_heads,
+    refined_heads,
+    unpack_heads,
+)
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
 
 # What a TorchFunctionMode sees for ``F.scaled_dot_product_attention``: the builtin itself.
@@ -181,6 +190,12 @@ class MesaSDPAFunction(torch.autograd.Function):
         ctx.mask_dtype = mask.dtype if mask is not None else None
         saved = [x.detach() if quant is None else pack_heads(x, quant)
                  for x, quant in zip((q, k, v), quantizers)]
+        if not (ctx.kept[0] or ctx.kept[1]):
+            codes = refined_heads(q, k, saved[0], saved[1], ctx.meta[-1])
+            if codes.refined:
+                saved[:2] = codes.q, codes.k
+                if not ctx.kept[2]:
+                    saved[2] = refine_heads(saved[2], v)
         compact = compact_mask(mask) if mask is not None else CompactMask(None, None, None, None)
         save(ctx, *saved, compact.bits, compact.low, compact.high, compact.full)
         return out
