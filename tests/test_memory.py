@@ -104,6 +104,14 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
     assert 'division' in division['mesa']
     assert division['modes']['mesa']['saved_bytes'] < modes['mesa']['saved_bytes']
     assert png.stat().st_size > 10_000
+    # sharper maps: attention keeps q, k and v refined to about 16 bits
+    result = run_tool('benchmark_memory', DEMO, '--modes', 'mesa', '--batch', '2', '--size', '32',
+                      '32', '--sharpen', '8', '--json', tmp_path / 'sharp.json')
+    assert result.returncode == 0, result.stderr[-4000:]
+    sharp = json.loads((tmp_path / 'sharp.json').read_text())
+    assert sharp['sharpen'] == 8.0
+    assert modes['mesa']['saved_bytes'] < sharp['modes']['mesa']['saved_bytes'] \
+        < 0.45 * modes['baseline']['saved_bytes']
 
 
 @pytest.mark.parametrize('bad', ['mesa:tiny', 'amp:paper', 'mesa+amp+amp', 'mesa+fp8',

@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from mmseg_mesa.bench.fidelity import sharpen_attention
 from mmseg_mesa.bench.memory import (
     add_ratios,
     budget_modes,
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--search', action='store_true',
                         help='with --budget, CUDA only: also run batches 1, 2, 4, ... and report '
                              'the largest whose step stayed within SIZE')
+    parser.add_argument('--sharpen', type=float, default=1.0, metavar='F',
+                        help="multiply every attention's query and key projections by F "
+                             "(logits by F**2: maps as sharp as training makes them)")
     add_cfg_options(parser)
     args = parser.parse_args(argv)
     for flag in ('check', 'search', 'check_batch', 'second_batch'):
@@ -131,10 +135,12 @@ def main(argv: list[str] | None = None) -> dict:
     size = input_size(args.size, cfg)
     iters = args.iters if args.iters is not None else (5 if args.device == 'cuda' else 1)
     base = build_model(cfg, args.device)
+    if args.sharpen != 1.0:
+        sharpen_attention(base, args.sharpen)
     batch = make_batch(cfg, args.batch, size, args.device)
     results: dict = dict(config=osp.relpath(args.config, ROOT), device=args.device,
                          batch=args.batch, size=list(size), iters=iters,
-                         mesa=str(mesa_config), modes={})
+                         mesa=str(mesa_config), sharpen=args.sharpen, modes={})
     if args.budget is not None:
         results.update(budget_bytes=args.budget[0], budget_gib=[b / 2 ** 30 for b in args.budget],
                        plans=plan_batches(base, cfg, args.modes, mesa_config, args.batch, size,

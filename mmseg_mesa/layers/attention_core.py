@@ -123,11 +123,12 @@ def unpack_qkv(packed: Any, heads: int, q_scale: float
 # Rows of the logits (of the first image, every head) on which a replay's error is measured.
 SAMPLED_ROWS = 8
 # The largest difference, in logits, that a replay of the map from 8-bit q and k may make on
-# the sampled rows; beyond it q and k keep a second 8-bit pass (``quantizer.refine``, about 16
-# bits). Logits grow as a model trains (its maps sharpen) and with the tokens a row holds: 8-bit
-# q and k cost DeiT-S UPerNet at 512x512 a gradient error of 0.085 with its q and k four times
-# their initial size (logits 16 times), 0.73 at eight times; 16-bit ones 0.006 and 0.015. At
-# initialization mmseg's attention replays within 0.002-0.03 (docs/benchmarks.md).
+# the sampled rows; beyond it q, k and v keep a second 8-bit pass (``quantizer.refine``, about
+# 16 bits). Logits grow as a model trains (its maps sharpen) and with the tokens a row holds:
+# DeiT-S UPerNet at 512x512 with its q and k four times their initial size (logits 16 times)
+# measured a gradient error of 0.069-0.099 with 8-bit operands, 0.0074 refined; at eight times
+# 0.73-0.95 and 0.015 (docs/benchmarks.md). At initialization no family of mmseg's configs
+# refines at 128x128; LeViT, TinyViT and DaViT do in part (docs/sweeps.md).
 REFINE_ERROR = 0.05
 
 
@@ -181,7 +182,7 @@ def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, 
     """``pack_heads`` codes of q and k, refined to about 16 bits where a replay of the logits
     ``q @ k^T * scale`` from them would stray by more than ``REFINE_ERROR``. Where they are,
     the caller refines v's too: a map sharp enough for this passes v's rounding on to the
-    gradient (DeiT-S UPerNet's above: 0.019 and 0.036 with v at 8 bits)."""
+    gradient (DeiT-S UPerNet's above measured 0.019 and 0.036 with only q and k refined)."""
     error = heads_error(q, k, codes_q, codes_k, scale)
     if error <= REFINE_ERROR:
         return HeadCodes(codes_q, codes_k, False, error, error)
