@@ -8,6 +8,7 @@ module holds data and layout only.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, Self, TypeGuard, runtime_checkable
@@ -67,6 +68,9 @@ class QuantSpec:
         stochastic: Stochastic (unbiased) rounding instead of round-to-nearest-even.
         ema_decay: Weight of the previous running estimate.
         backend: ``'auto'``, ``'cuda'`` or ``'torch'`` (see ``MesaConfig``).
+        refine_error: Of an attention operand's quantizer: the replay error beyond which the
+            operands are refined (``MesaConfig.attention_refine_error``). Defaults to
+            ``math.inf``: never, for a spec not made from a config.
     """
 
     bits: int = 8
@@ -75,6 +79,7 @@ class QuantSpec:
     stochastic: bool = True
     ema_decay: float = 0.9
     backend: str = 'auto'
+    refine_error: float = math.inf
 
     def num_groups(self, channels: int) -> int:
         return (channels + self.group_size - 1) // self.group_size

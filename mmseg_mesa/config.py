@@ -108,6 +108,13 @@ class MesaConfig:
         attention_maps: ``'recompute'``: attention keeps no map for backward, which recomputes
             each map from the 8-bit q, k and v (O(N) memory per layer instead of O(N^2));
             ``'stored'``: Mesa's 8-bit copy of every map. Defaults to ``'recompute'``.
+        attention_refine_error: The largest difference, in logits, that a replay of an
+            attention's logits from its 8-bit q and k may make on a few sampled rows; beyond it
+            q, k and v keep a second 8-bit pass (about 16 bits; ``layers.attention_core.
+            refined_heads``). Logits grow as training sharpens maps: DeiT-S UPerNet at 512x512
+            with logits 16 times their initial size measured a gradient error of 0.069-0.099
+            with 8-bit operands, 0.0074 refined (docs/benchmarks.md). ``math.inf`` never
+            refines. Defaults to 0.05.
 
     Named presets (``MesaConfig.preset(name)``, or ``mesa=dict(preset=name, ...)`` in a config)
     bundle these fields; see ``PRESETS``.
@@ -129,6 +136,7 @@ class MesaConfig:
     division_block: int = 8
     division_bits: int = 2
     attention_maps: str = 'recompute'
+    attention_refine_error: float = 0.05
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -173,6 +181,11 @@ class MesaConfig:
             _fail('division_bits', self.division_bits, ', '.join(map(str, SUPPORTED_BITS)))
         if self.attention_maps not in ATTENTION_MAPS:
             _fail('attention_maps', self.attention_maps, ', '.join(ATTENTION_MAPS))
+        if isinstance(self.attention_refine_error, bool) \
+                or not isinstance(self.attention_refine_error, (int, float)) \
+                or not self.attention_refine_error >= 0:
+            _fail('attention_refine_error', self.attention_refine_error,
+                  'a number >= 0 (math.inf: never refine)')
 
     def for_layer(self, layer_type: str, name: str = '') -> MesaConfig:
         """The config one converted module gets: its bit width, rounding and compressor

@@ -27,9 +27,11 @@ from mmseg_mesa.quantizer import ActivationQuantizer, Packed, QuantSpec, Refined
 from mmseg_mesa.saved import load
 
 
-def quantizers(stochastic: bool = False) -> tuple[ActivationQuantizer, ...]:
+def quantizers(stochastic: bool = False, refine_error: float = math.inf
+               ) -> tuple[ActivationQuantizer, ...]:
     return tuple(ActivationQuantizer(QuantSpec(bits=8, group_dim=-1, group_size=1,
-                                               stochastic=stochastic, ema_decay=0.9))
+                                               stochastic=stochastic, ema_decay=0.9,
+                                               refine_error=refine_error))
                  for _ in range(3))
 
 
@@ -77,7 +79,7 @@ def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, chunk, 
     blocks of rows."""
     use_table, groups, score_scale, dropout_p, need_map = variant
     # these logits' 8-bit replay strays by 0.1-0.4: refined at any threshold below that
-    monkeypatch.setattr(attention_core, 'REFINE_ERROR', 0.0 if refined else math.inf)
+    limit = 0.0 if refined else math.inf
     if chunk is not None:  # 3 heads x 20 x 20 fp32 is 4800 bytes: blocks of rows, or of
         # two whole images
         monkeypatch.setattr(attention_core, 'MAP_BLOCK_BYTES', chunk)
@@ -87,7 +89,7 @@ def test_backward_is_the_exact_gradient_at_the_decoded_operands(variant, chunk, 
     mask = None
     if groups:
         mask = (torch.rand(groups, 1, 20, 20) < 0.3).float() * -100.0
-    quants = quantizers()
+    quants = quantizers(refine_error=limit)
     torch.manual_seed(5)
     result = MesaAttentionFunction.apply(q, k, v, table, index, mask, score_scale, dropout_p,
                                          need_map, quants)
@@ -177,7 +179,7 @@ def test_no_map_is_saved(scale):
     mask = torch.where(torch.rand(1, 1, tokens, tokens) < 0.1, -100.0, 0.0)
     with count_saved_tensors() as report:
         out = MesaAttentionFunction.apply(q, k, v, None, None, mask, None, 0.1, False,
-                                          quantizers(stochastic=True))
+                                          quantizers(True, MesaConfig().attention_refine_error))
     one_map = batch * heads * tokens * tokens  # the uint8 codes Mesa keeps of the map
     kept = [type(item) for item in load(out.grad_fn)[:3]]
     assert kept == [Packed] * 3 if scale < 1 else kept == [Refined] * 3
@@ -306,7 +308,7 @@ def test_saved_bytes_report_counts_the_maps(attention_maps):
 @pytest.mark.parametrize('scale', [0.3, 2.0])
 def test_logits_an_8_bit_replay_would_move_keep_refined_operands(scale, monkeypatch):
     """q, k and v are refined to about 16 bits where a replay from 8-bit ones would move the
-    logits by more than ``REFINE_ERROR`` (larger logits, as training makes them): the
+    logits by more than ``attention_refine_error`` (larger logits, as training makes them): the
     gradient is then close to torch's, where 8-bit operands miss it; small logits keep 8 bits."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 64, 16, generator=gen) for _ in range(3))
@@ -316,15 +318,14 @@ def test_logits_an_8_bit_replay_would_move_keep_refined_operands(scale, monkeypa
         ((F.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v) * grad).sum(), (q, k, v))
 
     def error(threshold):
-        monkeypatch.setattr(attention_core, 'REFINE_ERROR', threshold)
         out = MesaAttentionFunction.apply(q, k, v, None, None, None, 0.25, 0.0, False,
-                                          quantizers(stochastic=True))
+                                          quantizers(True, threshold))
         kept = {type(item) for item in load(out.grad_fn)[:3]}
         got = torch.autograd.grad((out * grad).sum(), (q, k, v))
         got, want = (torch.cat([g.flatten() for g in grads]) for grads in (got, exact))
         return ((got - want).norm() / want.norm()).item(), kept
 
-    default = attention_core.REFINE_ERROR
+    default = MesaConfig().attention_refine_error
     eight_bit, kept = error(math.inf)
     assert kept == {Packed}
     ours, kept = error(default)

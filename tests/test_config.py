@@ -31,6 +31,9 @@ def test_defaults_are_the_papers():
     ('stochastic_rounding', 1, 'True or False'),
     ('nearest_rounding', ['batchnorm', 'lstm'], 'linear'),
     ('skip', (1,), 'fnmatch patterns'),
+    ('attention_refine_error', -0.1, 'a number >= 0'),
+    ('attention_refine_error', None, 'math.inf: never refine'),
+    ('attention_refine_error', float('nan'), 'a number >= 0'),
 ])
 def test_bad_values_name_key_and_allowed(key, value, allowed):
     with pytest.raises(ValueError) as err:
@@ -44,6 +47,22 @@ def test_from_cfg_forms():
     assert MesaConfig.from_cfg(True) == MesaConfig()
     cfg = MesaConfig.from_cfg(dict(bits=4, layers=['linear', 'gelu'], skip=['decode_head.*']))
     assert cfg.bits == 4 and cfg.layers == {'linear', 'gelu'} and cfg.skip == ('decode_head.*',)
+    assert MesaConfig.from_cfg(dict(attention_refine_error=0.2)).attention_refine_error == 0.2
+
+
+def test_attention_quantizers_carry_the_refine_error():
+    """The config's ``attention_refine_error`` reaches the specs of the quantizers a converted
+    attention packs q, k and v with (``layers.attention_core.refine_limit``)."""
+    import math
+
+    from torch import nn
+
+    from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa.layers.attention_core import refine_limit
+    for limit in (0.05, 0.2, math.inf):
+        model = nn.Sequential(nn.MultiheadAttention(8, 2))
+        convert_to_mesa(model, config=MesaConfig(attention_refine_error=limit))
+        assert refine_limit(model[0].quant_attn_q) == refine_limit(model[0].quant_attn_k) == limit
 
 
 def test_norm_and_activation_codes_round_to_nearest_unless_told_otherwise():

@@ -9,7 +9,7 @@ from torch import nn
 
 from mmseg_mesa import MesaConfig
 from mmseg_mesa.codes import Packed, Refined
-from mmseg_mesa.layers import attention_core, recomputed_map, softmax
+from mmseg_mesa.layers import recomputed_map, softmax
 from mmseg_mesa.layers.intercept import MesaFunctional
 from mmseg_mesa.layers.recomputed_map import MesaLogitsFunction
 from mmseg_mesa.memory import count_saved_tensors
@@ -72,8 +72,6 @@ def counting(monkeypatch):
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_maps_are_replayed_bit_identically_forward_and_closely_backward(monkeypatch, dtype):
-    # 8-bit q and k (these random logits' 8-bit replay strays by more than ``REFINE_ERROR``)
-    monkeypatch.setattr(attention_core, 'REFINE_ERROR', math.inf)
     torch.manual_seed(0)
     ref = OpByOpAttention()
     x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
@@ -81,7 +79,8 @@ def test_maps_are_replayed_bit_identically_forward_and_closely_backward(monkeypa
     stored = copy.deepcopy(ref)
     MesaFunctional.convert(stored, MesaConfig(attention_maps='stored'))
     ours = copy.deepcopy(ref)
-    MesaFunctional.convert(ours, MesaConfig())
+    # 8-bit q and k (these random logits' 8-bit replay strays by more than the default limit)
+    MesaFunctional.convert(ours, MesaConfig(attention_refine_error=math.inf))
     calls = counting(monkeypatch)
     if dtype == torch.bfloat16:
         with torch.autocast('cpu', dtype=torch.bfloat16):
@@ -247,7 +246,7 @@ def test_logits_a_replay_would_miss_by_much_keep_their_map(monkeypatch):
 
 
 def test_logits_an_8_bit_replay_would_move_replay_from_refined_q_k_and_v(monkeypatch):
-    """Logits whose 8-bit replay strays by more than ``REFINE_ERROR`` (measured on the
+    """Logits whose 8-bit replay strays by more than ``attention_refine_error`` (measured on the
     product) but not so far that the map is sharp keep q, k and v refined to about 16 bits, and
     replay the map from them: the gradient is closer to torch's than with 8-bit ones."""
     torch.manual_seed(0)
@@ -259,10 +258,9 @@ def test_logits_an_8_bit_replay_would_move_replay_from_refined_q_k_and_v(monkeyp
     errors, recipes = [], []
     replays = recomputed_map.replays
     monkeypatch.setattr(softmax, 'replays', lambda r: recipes.append(r) or replays(r))
-    for threshold in (math.inf, attention_core.REFINE_ERROR):
-        monkeypatch.setattr(attention_core, 'REFINE_ERROR', threshold)
+    for threshold in (math.inf, MesaConfig().attention_refine_error):
         ours = copy.deepcopy(ref)
-        MesaFunctional.convert(ours, MesaConfig())
+        MesaFunctional.convert(ours, MesaConfig(attention_refine_error=threshold))
         y = copy.deepcopy(ours)(x.requires_grad_())  # the same first step, its graph to look at
         nodes = {getattr(n, '_forward_cls', None): n for n in graph_nodes(y)}
         kept = [type(codes) for cls in (MesaLogitsFunction, recomputed_map.MesaMapMatMulFunction)

@@ -9,10 +9,11 @@ per-head range would spread over every channel of the head), the relative positi
 shifted windows, Twins' padding) and the 1-bit keep mask of attention dropout. Mesa itself keeps
 an 8-bit copy of every map: ``heads x N x N`` bytes per image and layer, quadratic in the tokens.
 
-Where a replay from the 8-bit q and k would move the logits by more than ``REFINE_ERROR`` on
-a few sampled rows (logits that training has made large: maps sharper than at initialization),
-q, k and v keep a second 8-bit pass each (``refined_heads``, ``quantizer.refine``: about 16
-bits), measured and decided per call in forward.
+Where a replay from the 8-bit q and k would move the logits by more than the quantizers'
+``refine_error`` (``MesaConfig.attention_refine_error``) on a few sampled rows (logits that
+training has made large: maps sharper than at initialization), q, k and v keep a second 8-bit
+pass each (``refined_heads``, ``quantizer.refine``: about 16 bits), measured and decided per
+call in forward.
 
 Backward recomputes each map from the decoded q and k and renormalizes it with a softmax of the
 recomputed logits, by blocks of rows (``MAP_BLOCK_BYTES`` of fp32 each), so no full map exists
@@ -23,6 +24,7 @@ maps").
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MesaConfig
-from ..quantizer import ActivationQuantizer, refine, sample_range, unpack
+from ..quantizer import ActivationQuantizer, Packed, refine, sample_range, unpack
 from ..saved import PackedMask, load, save
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
 from .dropout import dropout_with_mask
@@ -122,14 +124,6 @@ def unpack_qkv(packed: Any, heads: int, q_scale: float
 
 # Rows of the logits (of the first image, every head) on which a replay's error is measured.
 SAMPLED_ROWS = 8
-# The largest difference, in logits, that a replay of the map from 8-bit q and k may make on
-# the sampled rows; beyond it q, k and v keep a second 8-bit pass (``quantizer.refine``, about
-# 16 bits). Logits grow as a model trains (its maps sharpen) and with the tokens a row holds:
-# DeiT-S UPerNet at 512x512 with its q and k four times their initial size (logits 16 times)
-# measured a gradient error of 0.069-0.099 with 8-bit operands, 0.0074 refined; at eight times
-# 0.73-0.95 and 0.015 (docs/benchmarks.md). At initialization no family of mmseg's configs
-# refines at 128x128; LeViT, TinyViT and DaViT do in part (docs/sweeps.md).
-REFINE_ERROR = 0.05
 
 
 def first_image(codes: Any, batch: int) -> Any:
@@ -162,6 +156,12 @@ def heads_error(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, sc
                         unpack_heads(first_image(codes_k, batch), k.shape[1]), q, k) * abs(scale)
 
 
+def refine_limit(quantizer: Any) -> float:
+    """The replay error beyond which the operands a quantizer packs are refined: its spec's
+    ``refine_error``; ``math.inf`` for a compressor without one (DIVISION's)."""
+    return getattr(getattr(quantizer, 'spec', None), 'refine_error', math.inf)
+
+
 def refine_heads(codes: Any, x: torch.Tensor) -> Any:
     """``pack_heads`` codes of ``x`` refined to about 16 bits (``quantizer.refine``)."""
     return refine(codes, head_rows(x))
@@ -177,25 +177,28 @@ class HeadCodes(NamedTuple):
     error: float  # from the codes kept
 
 
-def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float
-                  ) -> HeadCodes:
+def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float,
+                  limit: float) -> HeadCodes:
     """``pack_heads`` codes of q and k, refined to about 16 bits where a replay of the logits
-    ``q @ k^T * scale`` from them would stray by more than ``REFINE_ERROR``. Where they are,
+    ``q @ k^T * scale`` from them would stray by more than ``limit`` (the quantizers'
+    ``spec.refine_error``, ``MesaConfig.attention_refine_error``). Where they are,
     the caller refines v's too: a map sharp enough for this passes v's rounding on to the
     gradient (DeiT-S UPerNet's above measured 0.019 and 0.036 with only q and k refined)."""
     error = heads_error(q, k, codes_q, codes_k, scale)
-    if error <= REFINE_ERROR:
+    if error <= limit or not (isinstance(codes_q, Packed) and isinstance(codes_k, Packed)):
         return HeadCodes(codes_q, codes_k, False, error, error)
     codes_q, codes_k = refine_heads(codes_q, q), refine_heads(codes_k, k)
     return HeadCodes(codes_q, codes_k, True, error, heads_error(q, k, codes_q, codes_k, scale))
 
 
 def refined_qkv(qkv: torch.Tensor, codes: Any, q: torch.Tensor, k: torch.Tensor,
-                q_scale: float, scale: float) -> Any:
+                q_scale: float, scale: float, limit: float) -> Any:
     """The codes of a ``(B, N, 3 * H * d)`` projection, refined as ``refined_heads`` refines
     q's and k's (v with them: they are one tensor's codes)."""
+    if limit == math.inf or not isinstance(codes, Packed):
+        return codes
     q_hat, k_hat, _ = unpack_qkv(first_image(codes, q.shape[0]), q.shape[1], q_scale)
-    if replay_error(q_hat, k_hat, q, k) * abs(scale) <= REFINE_ERROR:
+    if replay_error(q_hat, k_hat, q, k) * abs(scale) <= limit:
         return codes
     return refine(codes, qkv)
 
@@ -282,7 +285,8 @@ class MesaAttentionFunction(torch.autograd.Function):
         scale = 1.0 if score_scale is None else score_scale
         if qkv is None:
             packed = [pack_heads(x, quant) for x, quant in zip((q, k, v), quantizers)]
-            codes = refined_heads(q, k, packed[0], packed[1], scale)
+            codes = refined_heads(q, k, packed[0], packed[1], scale,
+                                  refine_limit(quantizers[0]))
             if codes.refined:
                 packed = [codes.q, codes.k, refine_heads(packed[2], v)]
         else:
@@ -290,7 +294,7 @@ class MesaAttentionFunction(torch.autograd.Function):
                 raise ValueError(f'MesaAttentionFunction: qkv of shape {tuple(qkv.shape)} is '
                                  f'not the projection of q {tuple(q.shape)}')
             packed = [refined_qkv(qkv.detach(), quantizers[0].pack(qkv.detach()), q, k,
-                                  q_scale, scale)]
+                                  q_scale, scale, refine_limit(quantizers[0]))]
         compact = CompactMask.of(mask.detach()) if mask is not None else NO_MASK
         save(ctx, *packed, table, index, compact.bits, compact.low, compact.high, compact.full,
              PackedMask.of(keep) if keep is not None else None)

@@ -42,7 +42,14 @@ from ..handoff import MAPS
 from ..quantizer import ActivationQuantizer, Packed, refine, unpack
 from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
-from .attention_core import SAMPLED_ROWS, first_image, pack_heads, refined_heads, unpack_heads
+from .attention_core import (
+    SAMPLED_ROWS,
+    first_image,
+    pack_heads,
+    refine_limit,
+    refined_heads,
+    unpack_heads,
+)
 from .autocast import no_autocast_backward, returns_owned
 from .matmul import MesaMatMulFunction, autocast_matmul, left_gradient, right_gradient
 
@@ -265,7 +272,8 @@ class MesaLogitsFunction(torch.autograd.Function):
         k = bc.transpose(-2, -1)
         # measured on the product (a scale or bias the recipe follows comes later), refined
         # where 8 bits would stray (``attention_core.refined_heads``)
-        codes = refined_heads(ac, k, pack_heads(ac, quant_a), pack_heads(k, quant_b), 1.0)
+        codes = refined_heads(ac, k, pack_heads(ac, quant_a), pack_heads(k, quant_b), 1.0,
+                              refine_limit(quant_a))
         ctx.replay = (codes.refined, codes.coarse_error)
         save(ctx, codes.q, codes.k)
         return y

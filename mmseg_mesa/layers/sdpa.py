@@ -49,6 +49,7 @@ from .attention_core import (
     pack_heads,
     recompute_gradients,
     refine_heads,
+    refine_limit,
     refined_heads,
     unpack_heads,
 )
@@ -191,7 +192,8 @@ class MesaSDPAFunction(torch.autograd.Function):
         saved = [x.detach() if quant is None else pack_heads(x, quant)
                  for x, quant in zip((q, k, v), quantizers)]
         if not (ctx.kept[0] or ctx.kept[1]):
-            codes = refined_heads(q, k, saved[0], saved[1], ctx.meta[-1])
+            codes = refined_heads(q, k, saved[0], saved[1], ctx.meta[-1],
+                                  refine_limit(quantizers[0]))
             if codes.refined:
                 saved[:2] = codes.q, codes.k
                 if not ctx.kept[2]:
