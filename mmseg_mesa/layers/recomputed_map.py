@@ -343,7 +343,8 @@ class MesaMapMatMulFunction(torch.autograd.Function):
         packed_b = None
         if ctx.needs_input_grad[0]:
             packed_b = packed_reusing(b, bc, quant_b)
-            if recipe.refined:  # v of a map that needs refined q and k (``refined_heads``)
+            # v of a map that needs refined q and k (``refined_heads``)
+            if recipe.refined and isinstance(quant_b, ActivationQuantizer):
                 if not isinstance(packed_b, Packed) or packed_b.shape != bc.shape:
                     packed_b = quant_b.pack(bc)
                 packed_b = refine(packed_b, bc)
