@@ -333,3 +333,20 @@ def test_logits_an_8_bit_replay_would_move_keep_refined_operands(scale, monkeypa
         assert kept == {Packed} and ours == pytest.approx(eight_bit, rel=0.2)
     else:  # 8 bits replay within 0.15 only: gradient error 0.03
         assert kept == {Refined} and eight_bit > 0.02 and ours < 0.001
+
+
+def test_an_infinite_refine_error_measures_no_replay(monkeypatch):
+    """``attention_refine_error=math.inf`` never refines, so converted attention and SDPA decode
+    nothing and read nothing back from the device for it in forward; a finite limit measures."""
+    from mmseg_mesa.layers.sdpa import MesaSDPAFunction
+    measured = []
+    heads_error = attention_core.heads_error
+    monkeypatch.setattr(attention_core, 'heads_error',
+                        lambda *a: measured.append(1) or heads_error(*a))
+    q, k, v = (torch.randn(2, 3, 16, 8).requires_grad_() for _ in range(3))
+    for limit in (math.inf, 0.05):
+        MesaAttentionFunction.apply(q, k, v, None, None, None, 0.3, 0.0, False,
+                                    quantizers(False, limit)).sum().backward()
+        MesaSDPAFunction.apply(q, k, v, None, False, None, False,
+                               quantizers(False, limit)).sum().backward()
+        assert len(measured) == (0 if limit == math.inf else 2)

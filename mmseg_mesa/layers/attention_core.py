@@ -133,18 +133,26 @@ def first_image(codes: Any, batch: int) -> Any:
     return codes if part is None else part
 
 
+def sampled_error(a_hat: torch.Tensor, b_hat: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                  ) -> float:
+    """The largest difference between the replayed product ``a_hat @ b_hat`` (decoded, fp32) and
+    the forward's ``a @ b`` on the first ``SAMPLED_ROWS`` rows of ``a``: the one measure of how
+    far a replay from codes strays, which every caller applies to its first image alone."""
+    rows = slice(0, SAMPLED_ROWS)
+    replayed = a_hat[..., rows, :] @ b_hat
+    exact = a[..., rows, :].float() @ b.float()
+    return (replayed - exact).abs().max().item()
+
+
 def replay_error(q_hat: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                  ) -> float:
-    """The largest difference between ``q_hat @ k_hat^T`` and ``q @ k^T`` on the first
-    ``SAMPLED_ROWS`` rows of the first image, every head: ``(B, H, N, d)`` operands (decoded ones
-    in fp32, of the first image at least; k's heads may divide q's, as grouped queries do)."""
-    rows = slice(0, SAMPLED_ROWS)
+    """``sampled_error`` of the logits ``q @ k^T`` of the first image, every head: ``(B, H, N,
+    d)`` operands (decoded ones in fp32, of the first image at least; k's heads may divide q's,
+    as grouped queries do)."""
     repeats = q.shape[1] // k.shape[1]
     if repeats > 1:
         k_hat, k = (t[:1].repeat_interleave(repeats, 1) for t in (k_hat, k))
-    replayed = q_hat[:1, :, rows] @ k_hat[:1].transpose(-2, -1)
-    exact = q[:1, :, rows].float() @ k[:1].float().transpose(-2, -1)
-    return (replayed - exact).abs().max().item()
+    return sampled_error(q_hat[:1], k_hat[:1].transpose(-2, -1), q[:1], k[:1].transpose(-2, -1))
 
 
 def heads_error(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float
@@ -169,12 +177,13 @@ def refine_heads(codes: Any, x: torch.Tensor) -> Any:
 
 class HeadCodes(NamedTuple):
     """What ``refined_heads`` keeps of q and k, and how far a replay from their 8-bit codes
-    strays (how sharp the map is, whatever is kept)."""
+    strays (how sharp the map is, whatever is kept; None where nothing could be refined, so
+    nothing was measured)."""
 
     q: Any
     k: Any
     refined: bool
-    coarse_error: float
+    coarse_error: float | None
 
 
 def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float,
@@ -183,9 +192,13 @@ def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, 
     ``q @ k^T * scale`` from them would stray by more than ``limit`` (the quantizers'
     ``spec.refine_error``, ``MesaConfig.attention_refine_error``). Where they are,
     the caller refines v's too: a map sharp enough for this passes v's rounding on to the
-    gradient (DeiT-S UPerNet's above measured 0.019 and 0.036 with only q and k refined)."""
+    gradient (DeiT-S UPerNet's above measured 0.019 and 0.036 with only q and k refined).
+    Nothing is measured (no decode, no host sync) where nothing could be refined: an infinite
+    ``limit``, or codes of another compressor."""
+    if limit == math.inf or not (isinstance(codes_q, Packed) and isinstance(codes_k, Packed)):
+        return HeadCodes(codes_q, codes_k, False, None)
     error = heads_error(q, k, codes_q, codes_k, scale)
-    if error <= limit or not (isinstance(codes_q, Packed) and isinstance(codes_k, Packed)):
+    if error <= limit:
         return HeadCodes(codes_q, codes_k, False, error)
     return HeadCodes(refine_heads(codes_q, q), refine_heads(codes_k, k), True, error)
 

@@ -43,11 +43,12 @@ from ..quantizer import ActivationQuantizer, Packed, refine, unpack
 from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
 from .attention_core import (
-    SAMPLED_ROWS,
     first_image,
+    heads_error,
     pack_heads,
     refine_limit,
     refined_heads,
+    sampled_error,
     unpack_heads,
 )
 from .autocast import no_autocast_backward, returns_owned
@@ -203,7 +204,7 @@ def recipe_of(t: Any) -> Recipe | None:
 def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Recipe | None:
     """The recipe of ``y = a @ b``, a ``MesaLogitsFunction`` output or a ``MesaMatMulFunction``
     output whose node packed both operands (None for any other tensor), with the replay's
-    error measured on a few rows (``sampled_error``)."""
+    error measured on a few rows (``product_error``)."""
     node = y.grad_fn
     source = getattr(node, '_forward_cls', None)
     if source is MesaMatMulFunction and not all(
@@ -214,22 +215,19 @@ def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Recipe |
     if source is MesaLogitsFunction:  # measured as its forward packed
         refined, error = node.replay
     else:
-        refined, error = False, sampled_error(node, a, b)
+        refined, error = False, product_error(node, a, b)
     return Recipe(node, error=error, refined=refined,
                   operands=(WeakOperand.of(a), WeakOperand.of(b)))
 
 
-def sampled_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> float:
-    """The largest difference between the replayed and the forward's product of a
-    ``MesaMatMulFunction`` on the first ``SAMPLED_ROWS`` rows of the first image: only that
-    image's codes are decoded."""
+def product_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> float:
+    """``attention_core.sampled_error`` of a ``MesaMatMulFunction``'s product replayed from its
+    codes, on the first image: only that image's codes are decoded."""
     batch = a.shape[0] if a.dim() > 2 else 1
     with torch.no_grad():
         decoded = [_first(unpack(first_image(p, batch), torch.float32), batch)
                    for p in load(node)]
-        replayed = decoded[0][..., :SAMPLED_ROWS, :] @ decoded[1]
-        exact = (_first(a, batch)[..., :SAMPLED_ROWS, :].float() @ _first(b, batch).float())
-        return (replayed - exact).abs().max().item()
+        return sampled_error(*decoded, _first(a, batch), _first(b, batch))
 
 
 def _first(t: torch.Tensor, batch: int) -> torch.Tensor:
@@ -274,7 +272,10 @@ class MesaLogitsFunction(torch.autograd.Function):
         # where 8 bits would stray (``attention_core.refined_heads``)
         codes = refined_heads(ac, k, pack_heads(ac, quant_a), pack_heads(k, quant_b), 1.0,
                               refine_limit(quant_a))
-        ctx.replay = (codes.refined, codes.coarse_error)
+        # the recipe needs how sharp the map is even where nothing refines
+        error = (codes.coarse_error if codes.coarse_error is not None
+                 else heads_error(ac, k, codes.q, codes.k, 1.0))
+        ctx.replay = (codes.refined, error)
         save(ctx, codes.q, codes.k)
         return y
 
