@@ -23,6 +23,15 @@ def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     return 10 * math.log10(signal / noise)
 
 
+def drawn(draw, *shape, generator: torch.Generator) -> torch.Tensor:
+    """``draw(*shape, generator=generator)`` (``torch.randn``, ``torch.rand``) on the
+    generator's device, moved to torch's default device: the same numbers wherever a test runs,
+    so the layer tests also run with a GPU as the default device (tools/gpu_check), where torch
+    refuses a CPU generator for a CUDA tensor (tests/test_gpu_check.py holds them to it)."""
+    return draw(*shape, generator=generator, device=generator.device).to(
+        torch.get_default_device())
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(),
                                                  dim=0).item()

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from conftest import cosine
+from conftest import cosine, drawn
 from torch import nn
 
 from mmseg_mesa import MesaConfig
@@ -96,7 +96,7 @@ def run(module, xs, seed=0):
 def upstream_grad(y):
     """Random upstream gradient from its own generator (never equal to the inputs' draws)."""
     gen = torch.Generator().manual_seed(1234)
-    return torch.randn(y.shape, generator=gen).to(y.dtype)
+    return drawn(torch.randn, y.shape, generator=gen).to(y.dtype)
 
 
 def backward_both(*outputs):

@@ -1,5 +1,6 @@
 """tools/gpu_check.sh, the one-command GPU run, in its CPU dry run: the same steps and files, so
 the script cannot rot between the runs on a lent GPU machine."""
+import ast
 import json
 import math
 import os
@@ -147,3 +148,20 @@ def test_machine_limits_are_options_with_workstation_defaults(tmp_path, monkeypa
                         '16', '--cuda-arch', '9.0', '--build-jobs', '4'])
     assert (tight.budget, tight.file_limit_mib, tight.cuda_arch, tight.build_jobs) == (
         510.0, 16.0, '9.0', 4)
+
+
+def test_layer_tests_draw_from_cpu_generators_on_the_default_device():
+    """The CUDA-default step runs the layer tests with a GPU as torch's default device, where
+    ``torch.randn(..., generator=cpu_generator)`` raises: every draw from a generator there names
+    its device (``conftest.drawn``), or the GPU run fails on test code, not on Mesa."""
+    sys.path.insert(0, osp.join(ROOT, 'tools'))
+    from gpu_check.settings import LAYER_TESTS
+    files = [*LAYER_TESTS, 'tests/layer_cases.py']
+    bare = []
+    for name in files:
+        tree = ast.parse(open(osp.join(ROOT, name)).read())
+        bare += [f'{name}:{node.lineno}' for node in ast.walk(tree)
+                 if isinstance(node, ast.Call)
+                 and {k.arg for k in node.keywords} & {'generator', 'device'} == {'generator'}
+                 and ast.unparse(node.func) != 'drawn']
+    assert not bare, bare

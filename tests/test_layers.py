@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import cosine, sqnr_db
+from conftest import cosine, drawn, sqnr_db
 from layer_cases import (
     CASES,
     backward_both,
@@ -256,7 +256,7 @@ def _attention_map_step(modify_map: bool = False):
     from mmseg_mesa.layers.softmax import MesaSoftmax
     from mmseg_mesa.memory import count_saved_tensors
     gen = torch.Generator().manual_seed(0)
-    scores, v, grad = (torch.randn(*shape, generator=gen)
+    scores, v, grad = (drawn(torch.randn, *shape, generator=gen)
                        for shape in ((2, 4, 64, 64), (2, 4, 64, 16), (2, 4, 64, 16)))
     softmax = MesaSoftmax(dim=-1, mesa_config=MesaConfig()).train()
     av = MesaMatMul(mesa_config=MesaConfig()).train()

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from conftest import drawn
 
 from mmseg_mesa.bitpack import pack_bits, pack_mask, unpack_bits, unpack_mask
 from mmseg_mesa.quantizer import (
@@ -232,8 +233,8 @@ def test_pack_standardized_decodes_to_the_normalized_tensor(stochastic):
     and running estimates, codes within one step of the normalized values, unbiased rounding."""
     gen = torch.Generator().manual_seed(3)
     scales = torch.tensor([1e-3, 1.0, 50.0, 0.2]).view(1, 4, 1, 1)
-    x = torch.randn(3, 4, 9, 7, generator=gen) * scales + torch.tensor([5.0, -2, 0, 1e3]).view(
-        1, 4, 1, 1)
+    shifts = torch.tensor([5.0, -2, 0, 1e3]).view(1, 4, 1, 1)
+    x = drawn(torch.randn, 3, 4, 9, 7, generator=gen) * scales + shifts
     var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0, keepdim=True)
     rstd = torch.rsqrt(var + 1e-5)
     x_norm = (x - mean) * rstd
@@ -366,8 +367,8 @@ def test_refined_codes_hold_a_255th_of_a_step(stochastic):
 
     from mmseg_mesa.quantizer import Refined, refine
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 50, 24, generator=gen) * torch.rand(24, generator=gen) * 5 \
-        + torch.randn(24, generator=gen)
+    x = drawn(torch.randn, 4, 50, 24, generator=gen) * drawn(torch.rand, 24, generator=gen) * 5 \
+        + drawn(torch.randn, 24, generator=gen)
     packed = ActivationQuantizer(QuantSpec(bits=8, group_dim=-1, stochastic=stochastic)).pack(x)
     refined = refine(packed, x)
     assert refined.bits == 16 and refined.shape == x.shape

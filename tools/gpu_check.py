@@ -24,7 +24,7 @@ Steps, in order of value; each has its own timeout and all end within ``--budget
                       no test may skip on the GPU machine (tests.xml)
   tests_cuda_default  the layer / DIVISION / quantizer tests with torch's default device set to
                       the GPU, so their modules and tensors live there and backend='auto' takes
-                      the kernels (less the tests that draw from a CPU generator; tests.xml)
+                      the kernels (less CPU autocast's; tests.xml)
   kernels             tools/benchmark_kernels.py (kernels.json)
   memory_bN           tools/benchmark_memory.py on Swin-T UPerNet 512x512: baseline and the
                       default preset in fp32 and AMP, batch 2 before the training run and 8

@@ -18,7 +18,7 @@ from .results import (
 )
 from .runner import Check
 from .settings import (
-    CPU_GENERATOR_TESTS,
+    CPU_ONLY_TESTS,
     CROSS_DEVICE_TEST,
     ENTRY,
     KERNEL_OF_COPY_MIN,
@@ -101,7 +101,7 @@ def step_tests(check: Check, name: str, files: tuple[str, ...], default_device: 
     env = {}
     if default_device:
         cmd[3:3] = ['-p', 'gpu_check.plugin']  # torch's default device
-        cmd += ['-k', ' and '.join(f'not {t}' for t in CPU_GENERATOR_TESTS)]
+        cmd += ['-k', ' and '.join(f'not {t}' for t in CPU_ONLY_TESTS)]
         env = dict(GPU_CHECK_DEFAULT_DEVICE=default_device,
                    PYTHONPATH=os.pathsep.join([check.env()['PYTHONPATH'], str(REPO / 'tools')]))
     rc, seconds, proc = check.run(name, cmd, check.timeout_for(name), **env)
@@ -119,8 +119,8 @@ def step_tests(check: Check, name: str, files: tuple[str, ...], default_device: 
             value=cross, limit='every case passes',
             holds=cross['passed'] > 0 and not cross['failed'] + cross['skipped'])
     if default_device:
-        note += (f' (default device {default_device}; left out, CPU generators: '
-                 f'{", ".join(CPU_GENERATOR_TESTS)})')
+        note += (f' (default device {default_device}; left out, CPU only: '
+                 f'{", ".join(CPU_ONLY_TESTS)})')
     check.outcome(name, rc, seconds, proc, ok=ok, note=note, counts=counts,
                   skips=[line for line in proc.lines if line.startswith('SKIPPED')][:20])
 
