@@ -110,3 +110,37 @@ def test_sharpen_attention_scales_queries_and_keys_only():
         assert torch.equal(new[..., 16:], old[..., 16:])
     with pytest.raises(ValueError, match='no nn.MultiheadAttention'):
         sharpen_attention(torch.nn.Linear(3, 3), 2.0)
+
+
+def test_dataset_batches_come_from_the_training_set_through_its_pipeline(tmp_path):
+    """``--data-root``'s batches: the config's training samples through its pipeline and the
+    model's data preprocessor, the same in every run, the next samples for the next batch; the
+    tool measures on them and a missing sample is a clear error."""
+    from mmseg_mesa.bench.models import dataset_batch
+    from mmseg_mesa.demo import write_demo_dataset
+    root = str(tmp_path / 'demo')
+    write_demo_dataset(root, num_train=6, num_val=1)
+    cfg = load_config(DEMO)
+    model = build_model(cfg, 'cpu')
+    inputs, samples = dataset_batch(cfg, model, 2, root)
+    again, _ = dataset_batch(cfg, model, 2, root)
+    other, _ = dataset_batch(cfg, model, 2, root, first=2)
+    assert inputs.shape == (2, 3, 64, 64) and len(samples) == 2
+    assert torch.equal(inputs, again) and not torch.equal(inputs, other)
+    labels = torch.cat([s.gt_sem_seg.data.unique() for s in samples])
+    assert labels.max() < 6 or labels.max() == 255  # the demo's classes (255: ignored)
+    assert abs(inputs.mean()) < 3  # normalized by the preprocessor, not raw 0..255 pixels
+    with pytest.raises(ValueError, match='has 6 samples; samples 4..7 asked for'):
+        dataset_batch(cfg, model, 4, root, first=4)
+
+
+@pytest.mark.slow
+def test_tool_measures_on_the_training_set(tmp_path):
+    from mmseg_mesa.demo import write_demo_dataset
+    root = str(tmp_path / 'demo')
+    write_demo_dataset(root, num_train=8, num_val=1)
+    results = gradient_fidelity(tmp_path, DEMO, '--batch', '2', '--batches', '2',
+                                '--data-root', root)
+    assert results['data_root'] == root and results['size'] == [64, 64]
+    assert 0 < results['presets']['config']['rows'][0]['relative_error'] < 0.02
+    assert len(results['presets']['config']['batches']['relative_errors']) == 2

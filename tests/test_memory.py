@@ -112,6 +112,19 @@ def test_benchmark_memory_tool_on_the_demo_config(tmp_path):
     assert sharp['sharpen'] == 8.0
     assert modes['mesa']['saved_bytes'] < sharp['modes']['mesa']['saved_bytes'] \
         < 0.45 * modes['baseline']['saved_bytes']
+    # a checkpoint's weights on a batch of the training set
+    from mmseg_mesa.bench.models import build_model, load_config
+    from mmseg_mesa.demo import write_demo_dataset
+    write_demo_dataset(str(tmp_path / 'data'), num_train=2, num_val=1)
+    torch.save({'state_dict': build_model(load_config(DEMO), 'cpu').state_dict()},
+               tmp_path / 'iter_1.pth')
+    result = run_tool('benchmark_memory', DEMO, '--modes', 'mesa', '--batch', '2',
+                      '--checkpoint', tmp_path / 'iter_1.pth', '--data-root', tmp_path / 'data',
+                      '--json', tmp_path / 'trained.json')
+    assert result.returncode == 0, result.stderr[-4000:]
+    trained = json.loads((tmp_path / 'trained.json').read_text())
+    assert trained['size'] == [64, 64] and trained['checkpoint'].endswith('iter_1.pth')
+    assert 0 < trained['modes']['mesa']['saved_bytes']
 
 
 @pytest.mark.parametrize('bad', ['mesa:tiny', 'amp:paper', 'mesa+amp+amp', 'mesa+fp8',
@@ -139,6 +152,7 @@ def test_benchmark_memory_names_the_renamed_preset():
     (['--check-batch', '8'], 'give --budget SIZE'),
     (['--budget', '4', '--search', '--device', 'cpu'], 'needs --device cuda'),
     (['--max-batch', '4'], 'unrecognized arguments: --max-batch'),
+    (['--budget', '4', '--data-root', 'data'], 'give one of them'),
 ])
 def test_benchmark_memory_command_line_refuses(argv, message):
     result = run_tool('benchmark_memory', *argv)

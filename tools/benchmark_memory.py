@@ -3,6 +3,7 @@
     python tools/benchmark_memory.py [CONFIG] [--modes baseline mesa ...] [--batch 2]
         [--size 512 512] [--device cpu|cuda] [--iters N] [--json PATH] [--plot PATH]
         [--budget SIZE [SIZE ...] [--second-batch N] [--check] [--check-batch N] [--search]]
+        [--checkpoint PATH] [--data-root DIR] [--sharpen F]
 
 Every mode runs on the same inputs in this one process. For each: the **peak** tensor memory of
 one full training step (forward, backward, the config's optimizer step; measured after one
@@ -17,6 +18,9 @@ otherwise), ``mesa:PRESET`` for every other preset of ``mmseg_mesa.config.PRESET
 ``mesa+amp``, ``checkpoint`` (activation checkpointing of each backbone stage, as mmengine's
 ``activation_checkpointing`` does), ``mesa+checkpoint``. Any Mesa mode combines with ``+amp`` and
 ``+checkpoint`` (``mesa:paper+amp``).
+``--checkpoint`` measures a checkpoint's weights and ``--data-root DIR`` a batch of the config's
+training set under DIR instead of random images (without ``--budget``): what attention keeps
+depends on how sharp its maps are (``MesaConfig.attention_refine_error``).
 ``--cfg-options`` changes the config as in ``tools/train.py``; ``mesa.*`` keys change what the
 ``mesa`` mode measures (e.g. ``--cfg-options "mesa.division=[conv2d,batchnorm]"``).
 
@@ -56,8 +60,10 @@ from mmseg_mesa.bench.memory import (
 from mmseg_mesa.bench.models import (
     add_cfg_options,
     build_model,
+    dataset_batch,
     input_size,
     load_config,
+    load_weights,
     make_batch,
     write_json,
 )
@@ -108,8 +114,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--sharpen', type=float, default=1.0, metavar='F',
                         help="multiply every attention's query and key projections by F "
                              "(logits by F**2: maps as sharp as training makes them)")
+    parser.add_argument('--checkpoint', help='weights to load (an mmengine checkpoint)')
+    parser.add_argument('--data-root', metavar='DIR',
+                        help="a batch of the config's training set under DIR (its pipeline) "
+                             'instead of random images; not with --budget')
     add_cfg_options(parser)
     args = parser.parse_args(argv)
+    if args.data_root and args.budget is not None:
+        parser.error('--data-root measures one batch of the training set; --budget fits random '
+                     'batches of two sizes: give one of them')
     for flag in ('check', 'search', 'check_batch', 'second_batch'):
         if getattr(args, flag) and args.budget is None:
             parser.error(f'--{flag.replace("_", "-")} works on the budget of --budget: give '
@@ -135,12 +148,19 @@ def main(argv: list[str] | None = None) -> dict:
     size = input_size(args.size, cfg)
     iters = args.iters if args.iters is not None else (5 if args.device == 'cuda' else 1)
     base = build_model(cfg, args.device)
+    if args.checkpoint:
+        load_weights(base, args.checkpoint)
     if args.sharpen != 1.0:
         sharpen_attention(base, args.sharpen)
-    batch = make_batch(cfg, args.batch, size, args.device)
+    if args.data_root:
+        batch = dataset_batch(cfg, base, args.batch, args.data_root)
+        size = tuple(batch[0].shape[-2:])
+    else:
+        batch = make_batch(cfg, args.batch, size, args.device)
     results: dict = dict(config=osp.relpath(args.config, ROOT), device=args.device,
                          batch=args.batch, size=list(size), iters=iters,
-                         mesa=str(mesa_config), sharpen=args.sharpen, modes={})
+                         mesa=str(mesa_config), sharpen=args.sharpen,
+                         checkpoint=args.checkpoint, data_root=args.data_root, modes={})
     if args.budget is not None:
         results.update(budget_bytes=args.budget[0], budget_gib=[b / 2 ** 30 for b in args.budget],
                        plans=plan_batches(base, cfg, args.modes, mesa_config, args.batch, size,

@@ -2,7 +2,7 @@
 
     python tools/gradient_fidelity.py [CONFIG] [--presets config default paper ...]
         [--batch 2] [--size 128 128] [--no-init-weights] [--draws 1] [--batches 1]
-        [--checkpoint PATH] [--sharpen F] [--json PATH]
+        [--checkpoint PATH] [--sharpen F] [--data-root DIR] [--json PATH]
         [--cfg-options mesa.stochastic_rounding=False ...]
 
 Builds the config's model (random weights unless ``--checkpoint``; SyncBN reverted), takes the
@@ -27,6 +27,9 @@ draws changes.
 ``--sharpen F`` multiplies every attention's query and key projections by F: random weights
 give nearly flat maps, while trained and pretrained ones (which segmentation starts from) give
 sharp ones, whose logits 8-bit q and k replay less closely.
+``--data-root DIR`` takes the batches from the config's own training set under DIR (its
+pipeline and data preprocessor; ``--size`` is then the pipeline's) instead of random images: a
+trained checkpoint's maps are as sharp as its data makes them.
 ``config`` in ``--presets`` is the config's own ``mesa`` setting (the default preset for a plain
 mmseg config); ``--cfg-options mesa.KEY=VALUE`` changes it.
 """
@@ -36,8 +39,6 @@ import argparse
 import copy
 import math
 import os.path as osp
-
-import torch
 
 from mmseg_mesa.bench.fidelity import (
     build_reference,
@@ -51,9 +52,11 @@ from mmseg_mesa.bench.fidelity import (
 )
 from mmseg_mesa.bench.models import (
     add_cfg_options,
+    dataset_batch,
     head_classes,
     input_size,
     load_config,
+    load_weights,
     make_batch,
     random_batch,
     write_json,
@@ -81,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument('--sharpen', type=float, default=1.0, metavar='F',
                         help="multiply every attention's query and key projections by F "
                              "(logits by F**2: maps as sharp as training makes them)")
+    parser.add_argument('--data-root', metavar='DIR',
+                        help="batches from the config's training set under DIR (its pipeline) "
+                             'instead of random images')
     parser.add_argument('--json', help='write the results as JSON here')
     add_cfg_options(parser)
     args = parser.parse_args(argv)
@@ -97,28 +103,38 @@ def main(argv: list[str] | None = None) -> dict:
     size = input_size(args.size, cfg)
     reference = build_reference(cfg, args.init_weights)
     if args.checkpoint:
-        from mmseg_mesa.integrations.checkpoint import allow_mmengine_checkpoints
-        allow_mmengine_checkpoints()
-        state = torch.load(args.checkpoint, map_location='cpu')
-        reference.load_state_dict(state.get('state_dict', state))
+        load_weights(reference, args.checkpoint)
     if args.sharpen != 1.0:
         sharpen_attention(reference, args.sharpen)
-    batch, other = split(make_batch(cfg, 2 * args.batch, size, 'cpu'), args.batch)
+    if args.data_root:
+        batch, other = (dataset_batch(cfg, reference, args.batch, args.data_root, first)
+                        for first in (0, args.batch))
+        size = tuple(batch[0].shape[-2:])
+    else:
+        batch, other = split(make_batch(cfg, 2 * args.batch, size, 'cpu'), args.batch)
     # every step from the same state: a training forward may update state it reads (EMANet's
     # bases), so each one runs on a copy
     exact = gradients(copy.deepcopy(reference), batch)
     noise = relative_error(gradients(copy.deepcopy(reference), other), exact)
     results = dict(config=osp.relpath(osp.abspath(args.config), ROOT), size=list(size),
                    batch=args.batch, init_weights=args.init_weights,
-                   checkpoint=args.checkpoint, sharpen=args.sharpen, minibatch_noise=noise,
+                   checkpoint=args.checkpoint, sharpen=args.sharpen,
+                   data_root=args.data_root, minibatch_noise=noise,
                    presets={})
     print(f"{results['config']}  size={size[0]}x{size[1]}  batch={args.batch}  "
-          f"init_weights={args.init_weights}  sharpen={args.sharpen:g}")
+          f"init_weights={args.init_weights}  sharpen={args.sharpen:g}  "
+          f"images={args.data_root or 'random'}")
     print(f'minibatch noise (exact gradients of two batches): {noise:.4f}')
     print(f'{"preset":<12}{"draws":>6}{"rel. error":>12}{"/ noise":>9}{"this draw":>11}'
           f'{"worst cosine":>14}  parameter')
-    batches = [random_batch(args.batch, size, head_classes(cfg.model.decode_head), seed=seed)
-               for seed in range(args.batches)] if args.batches > 1 else []
+    if args.batches <= 1:
+        batches = []
+    elif args.data_root:
+        batches = [dataset_batch(cfg, reference, args.batch, args.data_root, (2 + k) * args.batch)
+                   for k in range(args.batches)]
+    else:
+        batches = [random_batch(args.batch, size, head_classes(cfg.model.decode_head), seed=seed)
+                   for seed in range(args.batches)]
     for name, config in configs.items():
         results['presets'][name] = entry = measure(reference, batch, exact, config, args.draws)
         for row in entry['rows']:

@@ -2,7 +2,8 @@
 
 Loads an mmseg config without downloads (``--cfg-options`` merged), builds its model with
 seeded random weights (SyncBN reverted, as mmengine does in one process) and a seeded random
-batch for its decode head; with the loss the tools sum and their JSON writer.
+batch for its decode head, or a batch of its own training set; with the loss the tools sum and
+their JSON writer.
 """
 from __future__ import annotations
 
@@ -86,6 +87,47 @@ def random_batch(n: int, size: tuple[int, int], classes: int, device: str = 'cpu
         sample.set_metainfo(dict(img_shape=size, pad_shape=size, ori_shape=size))
         samples.append(sample)
     return inputs, samples
+
+
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    """The weights of an mmengine checkpoint (or of a bare state dict) into ``model``, strictly:
+    a missing or unexpected key fails."""
+    from ..integrations.checkpoint import allow_mmengine_checkpoints
+    allow_mmengine_checkpoints()
+    state = torch.load(path, map_location='cpu')
+    model.load_state_dict(state.get('state_dict', state))
+
+
+def dataset_batch(cfg: Any, model: torch.nn.Module, n: int, data_root: str, first: int = 0
+                  ) -> tuple:
+    """Samples ``first .. first + n - 1`` of the config's training set (``train_dataloader``'s
+    dataset and pipeline, with its files under ``data_root``) through ``model``'s data
+    preprocessor, as a training step gets them. A trained model's attention is as sharp as its
+    own data makes it, which random images do not show. The pipeline's random transforms draw
+    from Python's and NumPy's generators, seeded here, so a batch is the same in every run."""
+    import copy
+    import random
+
+    import numpy as np
+    from mmengine.dataset import pseudo_collate
+    from mmengine.utils import import_modules_from_strings
+    from mmseg.registry import DATASETS
+    from mmseg.utils import register_all_modules
+    register_all_modules()
+    if cfg.get('custom_imports'):
+        import_modules_from_strings(**cfg.custom_imports)
+    dataset_cfg = copy.deepcopy(cfg.train_dataloader.dataset)
+    dataset_cfg.data_root = data_root
+    dataset = DATASETS.build(dataset_cfg)
+    if len(dataset) < first + n:
+        raise ValueError(f'dataset_batch: the training set under {data_root} has '
+                         f'{len(dataset)} samples; samples {first}..{first + n - 1} asked for')
+    random.seed(first)
+    np.random.seed(first)
+    samples = [dataset[i] for i in range(first, first + n)]
+    with torch.no_grad():
+        data = model.data_preprocessor(pseudo_collate(samples), True)
+    return data['inputs'], data['data_samples']
 
 
 def make_batch(cfg: Any, batch: int, size: tuple[int, int], device: str) -> tuple:
