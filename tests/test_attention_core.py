@@ -305,7 +305,7 @@ def test_saved_bytes_report_counts_the_maps(attention_maps):
         assert mesa.softmax_bytes == 0
 
 
-@pytest.mark.parametrize('scale', [0.3, 2.0])
+@pytest.mark.parametrize('scale', [0.3, 3.0])
 def test_logits_an_8_bit_replay_would_move_keep_refined_operands(scale, monkeypatch):
     """q, k and v are refined to about 16 bits where a replay from 8-bit ones would move the
     logits by more than ``attention_refine_error`` (larger logits, as training makes them): the
@@ -331,8 +331,8 @@ def test_logits_an_8_bit_replay_would_move_keep_refined_operands(scale, monkeypa
     ours, kept = error(default)
     if scale < 1:  # replays within 0.005: 8 bits as they are
         assert kept == {Packed} and ours == pytest.approx(eight_bit, rel=0.2)
-    else:  # 8 bits replay within 0.15 only: gradient error 0.03
-        assert kept == {Refined} and eight_bit > 0.02 and ours < 0.001
+    else:  # 8 bits replay 0.34-0.38 off: gradient error 0.06
+        assert kept == {Refined} and eight_bit > 0.03 and ours < 0.001
 
 
 def test_an_infinite_refine_error_measures_no_replay(monkeypatch):
