@@ -144,3 +144,17 @@ def test_tool_measures_on_the_training_set(tmp_path):
     assert results['data_root'] == root and results['size'] == [64, 64]
     assert 0 < results['presets']['config']['rows'][0]['relative_error'] < 0.02
     assert len(results['presets']['config']['batches']['relative_errors']) == 2
+
+
+def test_data_root_reaches_the_datasets_inside_wrappers():
+    """mmseg's DRIVE configs repeat their dataset, VOC-aug concatenates two: the inner ones take
+    the data root, the wrappers (which take no such argument) do not."""
+    from mmseg_mesa.bench.models import with_data_root
+    plain = with_data_root(dict(type='ADE20KDataset', data_root='data/ade'), '/d')
+    assert plain['data_root'] == '/d'
+    repeated = with_data_root(dict(type='RepeatDataset', times=4, dataset=dict(type='DRIVE')), '/d')
+    assert 'data_root' not in repeated and repeated['dataset']['data_root'] == '/d'
+    joined = with_data_root(dict(type='ConcatDataset', datasets=[dict(type='A'), dict(
+        type='RepeatDataset', dataset=dict(type='B'))]), '/d')
+    assert 'data_root' not in joined and joined['datasets'][0]['data_root'] == '/d'
+    assert joined['datasets'][1]['dataset']['data_root'] == '/d'

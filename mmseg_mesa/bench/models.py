@@ -98,6 +98,18 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
     model.load_state_dict(state.get('state_dict', state))
 
 
+def with_data_root(dataset: Any, data_root: str) -> Any:
+    """A dataset config with its files under ``data_root``: a wrapper's (``RepeatDataset``'s
+    ``dataset``, ``ConcatDataset``'s ``datasets``: mmseg's DRIVE and VOC-aug configs) inner
+    datasets get it, not the wrapper, which takes no such argument."""
+    inner = [dataset['dataset']] if 'dataset' in dataset else list(dataset.get('datasets', ()))
+    for part in inner:
+        with_data_root(part, data_root)
+    if not inner:
+        dataset['data_root'] = data_root
+    return dataset
+
+
 def dataset_batch(cfg: Any, model: torch.nn.Module, n: int, data_root: str, first: int = 0
                   ) -> tuple:
     """Samples ``first .. first + n - 1`` of the config's training set (``train_dataloader``'s
@@ -116,9 +128,8 @@ def dataset_batch(cfg: Any, model: torch.nn.Module, n: int, data_root: str, firs
     register_all_modules()
     if cfg.get('custom_imports'):
         import_modules_from_strings(**cfg.custom_imports)
-    dataset_cfg = copy.deepcopy(cfg.train_dataloader.dataset)
-    dataset_cfg.data_root = data_root
-    dataset = DATASETS.build(dataset_cfg)
+    dataset = DATASETS.build(with_data_root(copy.deepcopy(cfg.train_dataloader.dataset),
+                                            data_root))
     if len(dataset) < first + n:
         raise ValueError(f'dataset_batch: the training set under {data_root} has '
                          f'{len(dataset)} samples; samples {first}..{first + n - 1} asked for')
