@@ -15,7 +15,8 @@ from typing import Any, Protocol, Self, TypeGuard, runtime_checkable
 
 import torch
 
-__all__ = ['Codes', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'is_codes', 'sample_range']
+__all__ = ['Codes', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'is_codes', 'layout_of',
+           'rebuild_from', 'sample_range']
 
 
 @runtime_checkable
@@ -61,7 +62,7 @@ class QuantSpec:
     """Static description of one saved activation.
 
     Args:
-        bits: Code width (2, 4 or 8).
+        bits: Code width (2, 4, 8, or 16: 8-bit codes refined, ``quantizer.REFINED_BITS``).
         group_dim: Dimension whose channels are grouped (negative counts from the end).
         group_size: Consecutive channels per group; 1 means one group per channel/head.
             Defaults to 1, as ``MesaConfig.group_size``.
@@ -168,7 +169,7 @@ class Mapped:
     memory; ``quantizer.unpack`` decodes the source and applies ``fn`` in fp32.
     """
 
-    source: Packed
+    source: Packed | Refined
     fn: Callable[[torch.Tensor], torch.Tensor]  # element-wise, fp32 in and out
     dtype: torch.dtype  # of the tensor it stands for
 
@@ -183,16 +184,29 @@ class Mapped:
         return self.source.tensors()
 
     def meta(self) -> tuple:
-        return self.source.meta(), self.fn, self.dtype
+        return layout_of(self.source), self.fn, self.dtype
 
     @classmethod
     def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> Mapped:
-        source_meta, fn, dtype = meta
-        return cls(Packed.rebuild(tensors, source_meta), fn, dtype)
+        source_layout, fn, dtype = meta
+        return cls(rebuild_from(tensors, source_layout), fn, dtype)
 
     def sample_range(self, start: int, stop: int) -> Mapped | None:
         source = self.source.sample_range(start, stop)
         return None if source is None else replace(self, source=source)
+
+
+def layout_of(codes: Any) -> tuple[type, int, Any]:
+    """What rebuilds ``codes`` inside codes that hold others (``Mapped``'s source, a fused
+    concatenation's parts), whatever their kind: its type, how many tensors it saves, its
+    ``meta()``."""
+    return type(codes), len(codes.tensors()), codes.meta()
+
+
+def rebuild_from(tensors: tuple[torch.Tensor, ...], layout: tuple[type, int, Any]) -> Any:
+    """The codes ``layout_of`` described, from their tensors."""
+    kind, _, meta = layout
+    return kind.rebuild(tuple(tensors), meta)
 
 
 def sample_range(codes: Codes | Any, start: int, stop: int) -> Codes | None:

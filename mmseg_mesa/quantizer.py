@@ -11,7 +11,7 @@ to cover it, instead of being clipped (see ``reference.ema_update``). The arithm
 included; on CPU ``pack`` observes and quantizes in one call) or the pure-PyTorch reference,
 with bit-identical results; ``_backend.select_backend`` picks it from the spec's ``backend``.
 ``refine(packed, x)`` adds a second 8-bit pass over what ``packed`` misses (``Refined``, about
-16 bits), through the same kernels.
+16 bits), through the same kernels; a spec of ``REFINED_BITS`` (16) packs that way.
 """
 from __future__ import annotations
 
@@ -25,9 +25,10 @@ from .codes import Codes, Mapped, Packed, QuantSpec, Refined, sample_range
 from .reference import ema_update, group_min_max, scale_from_span
 from .rounding import reset_rounding_generators, rounding_counter
 
-__all__ = ['ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'ema_update',
-           'group_min_max', 'pack', 'refine', 'reset_rounding_generators', 'rounding_counter',
-           'sample_range', 'scale_from_span', 'unpack']
+__all__ = ['REFINED_BITS', 'ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'Refined',
+           'coded_bits', 'ema_update', 'group_min_max', 'pack', 'refine',
+           'reset_rounding_generators', 'rounding_counter', 'sample_range', 'scale_from_span',
+           'unpack']
 
 
 def without_grad() -> contextlib.AbstractContextManager:
@@ -36,15 +37,28 @@ def without_grad() -> contextlib.AbstractContextManager:
     return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
-def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tensor) -> Packed:
+# ``bits=16``: 8-bit codes and a second 8-bit pass over what they miss (``refine``); the kernels
+# see 8 bits only.
+REFINED_BITS = 16
+
+
+def coded_bits(spec: QuantSpec) -> int:
+    """The width the kernels quantize at for ``spec``: 8 for ``REFINED_BITS``."""
+    return 8 if spec.bits == REFINED_BITS else spec.bits
+
+
+def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tensor
+         ) -> Packed | Refined:
     """Quantize ``x`` with the given per-group ``lower``/``span`` (no state is touched)."""
     group_dim = spec.group_dim % x.dim()
-    scale = scale_from_span(span, spec.bits)
+    bits = coded_bits(spec)
+    scale = scale_from_span(span, bits)
     x = x.contiguous()
     data = select_backend(x, spec.backend).quantize(
-        x, lower, scale, spec.bits, group_dim, spec.group_size, spec.stochastic, pack=True)
-    return Packed(data, lower, scale, x.shape, x.dtype, spec.bits, group_dim,
-                  spec.group_size, spec.backend)
+        x, lower, scale, bits, group_dim, spec.group_size, spec.stochastic, pack=True)
+    packed = Packed(data, lower, scale, x.shape, x.dtype, bits, group_dim, spec.group_size,
+                    spec.backend)
+    return refine(packed, x) if spec.bits == REFINED_BITS else packed
 
 
 def refine(packed: Packed, x: torch.Tensor) -> Refined:
@@ -140,18 +154,21 @@ class ActivationQuantizer(nn.Module):
                                            self.seen, group_dim, spec.group_size,
                                            spec.ema_decay)
 
-    def pack(self, x: torch.Tensor) -> Packed:
-        """Observe ``x`` (training step) and quantize it over the resulting range."""
+    def pack(self, x: torch.Tensor) -> Packed | Refined:
+        """Observe ``x`` (training step) and quantize it over the resulting range (refined to
+        about 16 bits where the spec says ``REFINED_BITS``)."""
         spec = self.spec
         backend = self.backend_for(x)
         group_dim = spec.group_dim % x.dim()
         self._ensure_groups(spec.num_groups(x.shape[group_dim]), x)
         buffers = self._buffers  # not Module.__getattr__: every pack asks
+        bits = coded_bits(spec)
         data, lower, scale = backend.observe_quantize(
             x.detach().contiguous(), buffers['lower'], buffers['span'], buffers['seen'],
-            group_dim, spec.group_size, spec.ema_decay, spec.bits, spec.stochastic, pack=True)
-        return Packed(data, lower, scale, x.shape, x.dtype, spec.bits, group_dim,
-                      spec.group_size, spec.backend)
+            group_dim, spec.group_size, spec.ema_decay, bits, spec.stochastic, pack=True)
+        packed = Packed(data, lower, scale, x.shape, x.dtype, bits, group_dim, spec.group_size,
+                        spec.backend)
+        return refine(packed, x) if spec.bits == REFINED_BITS else packed
 
     def pack_standardized(self, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
                           ) -> Packed:
@@ -174,10 +191,16 @@ class ActivationQuantizer(nn.Module):
         self._ensure_groups(groups, x)
         spec = self.spec
         buffers = self._buffers
+        bits = coded_bits(spec)
+        mean = mean.detach().reshape(-1).float().contiguous()
+        rstd = rstd.detach().reshape(-1).float().contiguous()
         data, lower, scale = self.backend_for(x).observe_quantize(
             x.detach().contiguous(), buffers['lower'], buffers['span'], buffers['seen'],
-            group_dim, 1, spec.ema_decay, spec.bits, spec.stochastic, pack=True,
-            mean=mean.detach().reshape(-1).float().contiguous(),
-            rstd=rstd.detach().reshape(-1).float().contiguous())
-        return Packed(data, lower, scale, x.shape, torch.float32, spec.bits, group_dim, 1,
-                      spec.backend)
+            group_dim, 1, spec.ema_decay, bits, spec.stochastic, pack=True, mean=mean, rstd=rstd)
+        packed = Packed(data, lower, scale, x.shape, torch.float32, bits, group_dim, 1,
+                        spec.backend)
+        if spec.bits != REFINED_BITS:
+            return packed
+        shape = [1] * x.dim()
+        shape[group_dim] = -1
+        return refine(packed, (x.detach().float() - mean.view(shape)) * rstd.view(shape))

@@ -19,9 +19,11 @@ def test_defaults_are_the_papers():
 
 
 @pytest.mark.parametrize('key, value, allowed', [
-    ('bits', 3, '2, 4, 8'),
-    ('bits', 16, '2, 4, 8'),
-    ('bits', True, '2, 4, 8'),
+    ('bits', 3, '2, 4, 8, 16'),
+    ('bits', 32, '2, 4, 8, 16'),
+    ('bits', True, '2, 4, 8, 16'),
+    ('layer_bits', {'gelu': 12}, '2, 4, 8, 16'),
+    ('division_bits', 16, '2, 4, 8'),
     ('group_size', 0, 'integer >= 1'),
     ('ema_decay', 1.0, '[0, 1)'),
     ('ema_decay', -0.1, '[0, 1)'),

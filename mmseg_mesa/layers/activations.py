@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack
+from ..quantizer import ActivationQuantizer, Mapped, Packed, Refined, unpack
 from ..registry import mesa_layer
 from ..reuse import attach_codes
 from ..saved import PackedMask, load, save
@@ -78,7 +78,7 @@ class MesaGELUFunction(torch.autograd.Function):
             return y
         packed = quantizer.pack(x)
         save(ctx, packed)
-        if isinstance(packed, Packed):  # the next Linear saves y as these codes
+        if isinstance(packed, (Packed, Refined)):  # the next Linear saves y as these codes
             attach_codes(y, Mapped(packed, functools.partial(F.gelu, approximate=approximate),
                                    y.dtype))
         return y

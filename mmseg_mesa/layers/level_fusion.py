@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..quantizer import ActivationQuantizer, Packed, sample_range, unpack
+from ..codes import layout_of, rebuild_from
+from ..quantizer import ActivationQuantizer, Packed, Refined, sample_range, unpack
 from ..saved import load, save
 from .autocast import (
     autocast_cast,
@@ -49,7 +50,7 @@ class FusedCodes:
     the exact one than its own codes would put it.
     """
 
-    parts: list[Packed]
+    parts: list[Packed | Refined]  # Refined at ``bits=16``
     shape: torch.Size  # of the concatenation
     dtype: torch.dtype
     upsample: Upsample  # a level to the concatenation's size, as the forward did it
@@ -74,12 +75,16 @@ class FusedCodes:
         return tuple(t for part in self.parts for t in part.tensors())
 
     def meta(self) -> tuple:
-        return tuple(part.meta() for part in self.parts), self.shape, self.dtype, self.upsample
+        return (tuple(layout_of(part) for part in self.parts), self.shape, self.dtype,
+                self.upsample)
 
     @classmethod
     def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> FusedCodes:
-        metas, *rest = meta
-        parts = [Packed.rebuild(tensors[3 * i:3 * i + 3], m) for i, m in enumerate(metas)]
+        layouts, *rest = meta
+        parts, start = [], 0
+        for layout in layouts:
+            parts.append(rebuild_from(tensors[start:start + layout[1]], layout))
+            start += layout[1]
         return cls(parts, *rest)
 
     def sample_range(self, start: int, stop: int) -> FusedCodes | None:
