@@ -61,11 +61,13 @@ def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tens
     return refine(packed, x) if spec.bits == REFINED_BITS else packed
 
 
-def refine(packed: Packed, x: torch.Tensor) -> Refined:
+def refine(packed: Packed | Refined, x: torch.Tensor) -> Refined:
     """``x``'s 8-bit codes ``packed`` with a second 8-bit pass over what they miss: about 16
-    bits (``Refined``). The second pass rounds to nearest over one coarse step either way of
-    each group, so it draws nothing from the rounding stream: later layers' codes stay those
-    of a run without it."""
+    bits (``Refined``; codes refined already, a 16-bit layer's, are returned as they are). The
+    second pass rounds to nearest over one coarse step either way of each group, so it draws
+    nothing from the rounding stream: later layers' codes stay those of a run without it."""
+    if isinstance(packed, Refined):
+        return packed
     residual = x.detach().float() - unpack(packed, torch.float32)
     spec = QuantSpec(bits=8, group_dim=packed.group_dim, group_size=packed.group_size,
                      stochastic=False, backend=packed.backend)

@@ -17,6 +17,7 @@ from mmseg_mesa.quantizer import (
     QuantSpec,
     Refined,
     pack,
+    refine,
     unpack,
 )
 
@@ -52,6 +53,8 @@ def test_a_16_bit_spec_refines_the_8_bit_codes_it_would_have_made(stochastic):
         assert ((unpack(sixteen, torch.float32) - want).abs() / step).max() <= 1.01 / 255
     assert torch.equal(quantizers[8].lower, quantizers[16].lower)
     assert torch.equal(quantizers[8].span, quantizers[16].span)
+    refined = quantizers[16, 'codes'][0]
+    assert refine(refined, x) is refined  # attention refining a 16-bit layer's codes: as they are
 
 
 def saved_and_gradients(model, batch):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..codes import is_codes
 from ..handoff import MAPS
-from ..quantizer import ActivationQuantizer, Packed, refine, unpack
+from ..quantizer import ActivationQuantizer, Packed, Refined, refine, unpack
 from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
 from .attention_core import (
@@ -346,7 +346,7 @@ class MesaMapMatMulFunction(torch.autograd.Function):
             packed_b = packed_reusing(b, bc, quant_b)
             # v of a map that needs refined q and k (``refined_heads``)
             if recipe.refined and isinstance(quant_b, ActivationQuantizer):
-                if not isinstance(packed_b, Packed) or packed_b.shape != bc.shape:
+                if not isinstance(packed_b, (Packed, Refined)) or packed_b.shape != bc.shape:
                     packed_b = quant_b.pack(bc)
                 packed_b = refine(packed_b, bc)
         save(ctx, packed_b)
