@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from mmseg_mesa.bench.fidelity import sharpen_attention
+from mmseg_mesa.bench.fidelity import add_weight_options, apply_weight_options
 from mmseg_mesa.bench.memory import (
     add_ratios,
     budget_modes,
@@ -63,7 +63,6 @@ from mmseg_mesa.bench.models import (
     dataset_batch,
     input_size,
     load_config,
-    load_weights,
     make_batch,
     write_json,
 )
@@ -111,13 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--search', action='store_true',
                         help='with --budget, CUDA only: also run batches 1, 2, 4, ... and report '
                              'the largest whose step stayed within SIZE')
-    parser.add_argument('--sharpen', type=float, default=1.0, metavar='F',
-                        help="multiply every attention's query and key projections by F "
-                             "(logits by F**2: maps as sharp as training makes them)")
-    parser.add_argument('--checkpoint', help='weights to load (an mmengine checkpoint)')
-    parser.add_argument('--data-root', metavar='DIR',
-                        help="a batch of the config's training set under DIR (its pipeline) "
-                             'instead of random images; not with --budget')
+    add_weight_options(parser)
     add_cfg_options(parser)
     args = parser.parse_args(argv)
     if args.data_root and args.budget is not None:
@@ -148,10 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     size = input_size(args.size, cfg)
     iters = args.iters if args.iters is not None else (5 if args.device == 'cuda' else 1)
     base = build_model(cfg, args.device)
-    if args.checkpoint:
-        load_weights(base, args.checkpoint)
-    if args.sharpen != 1.0:
-        sharpen_attention(base, args.sharpen)
+    apply_weight_options(base, args)
     if args.data_root:
         batch = dataset_batch(cfg, base, args.batch, args.data_root)
         size = tuple(batch[0].shape[-2:])

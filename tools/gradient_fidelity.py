@@ -41,13 +41,14 @@ import math
 import os.path as osp
 
 from mmseg_mesa.bench.fidelity import (
+    add_weight_options,
+    apply_weight_options,
     build_reference,
     gradients,
     measure,
     measure_batches,
     mesa_config_for,
     relative_error,
-    sharpen_attention,
     split,
 )
 from mmseg_mesa.bench.models import (
@@ -56,7 +57,6 @@ from mmseg_mesa.bench.models import (
     head_classes,
     input_size,
     load_config,
-    load_weights,
     make_batch,
     random_batch,
     write_json,
@@ -80,13 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="input size; defaults to the config's crop_size")
     parser.add_argument('--no-init-weights', dest='init_weights', action='store_false',
                         help="skip the model's init_weights() (construction-time values)")
-    parser.add_argument('--checkpoint', help='weights to load (an mmengine checkpoint)')
-    parser.add_argument('--sharpen', type=float, default=1.0, metavar='F',
-                        help="multiply every attention's query and key projections by F "
-                             "(logits by F**2: maps as sharp as training makes them)")
-    parser.add_argument('--data-root', metavar='DIR',
-                        help="batches from the config's training set under DIR (its pipeline) "
-                             'instead of random images')
+    add_weight_options(parser)
     parser.add_argument('--json', help='write the results as JSON here')
     add_cfg_options(parser)
     args = parser.parse_args(argv)
@@ -102,10 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
     configs = {name: mesa_config_for(name, cfg) for name in args.presets}  # bad values fail here
     size = input_size(args.size, cfg)
     reference = build_reference(cfg, args.init_weights)
-    if args.checkpoint:
-        load_weights(reference, args.checkpoint)
-    if args.sharpen != 1.0:
-        sharpen_attention(reference, args.sharpen)
+    apply_weight_options(reference, args)
     if args.data_root:
         batch, other = (dataset_batch(cfg, reference, args.batch, args.data_root, first)
                         for first in (0, args.batch))

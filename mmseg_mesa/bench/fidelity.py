@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .models import build_model, build_segmentor, loss_of
+from .models import build_model, build_segmentor, load_weights, loss_of
 
 Gradients = dict[str, torch.Tensor]
 SIGNIFICANT = 1e-3  # parameters below this fraction of the largest gradient norm are not ranked
@@ -119,6 +119,26 @@ def sharpen_attention(model: torch.nn.Module, factor: float) -> int:
         raise ValueError('sharpen_attention: no nn.MultiheadAttention or attention with a qkv '
                          'Linear in the model')
     return changed
+
+
+def add_weight_options(parser: Any) -> None:
+    """``--checkpoint``, ``--sharpen F`` and ``--data-root DIR``: which weights and images a
+    measurement takes (``tools/gradient_fidelity.py``, ``tools/benchmark_memory.py``)."""
+    parser.add_argument('--checkpoint', help='weights to load (an mmengine checkpoint)')
+    parser.add_argument('--sharpen', type=float, default=1.0, metavar='F',
+                        help="multiply every attention's query and key projections by F "
+                             "(logits by F**2: maps as sharp as training makes them)")
+    parser.add_argument('--data-root', metavar='DIR',
+                        help="batches of the config's training set under DIR (its pipeline) "
+                             'instead of random images')
+
+
+def apply_weight_options(model: torch.nn.Module, args: Any) -> None:
+    """``add_weight_options``' ``--checkpoint`` into ``model``, then its ``--sharpen``."""
+    if args.checkpoint:
+        load_weights(model, args.checkpoint)
+    if args.sharpen != 1.0:
+        sharpen_attention(model, args.sharpen)
 
 
 def split(batch: tuple, n: int) -> tuple[tuple, tuple]:
