@@ -35,8 +35,8 @@ def _fail(key: str, value: Any, allowed: str) -> None:
     raise ValueError(f'MesaConfig: invalid {key}={value!r}; allowed: {allowed}')
 
 
-def _is_bits(value: Any) -> bool:
-    return not isinstance(value, bool) and value in SUPPORTED_BITS
+def _is_bits(value: Any, allowed: tuple[int, ...] = SUPPORTED_BITS) -> bool:
+    return not isinstance(value, bool) and value in allowed
 
 
 def _types(key: str, value: Any, allowed: tuple[str, ...]) -> frozenset[str]:
@@ -180,7 +180,7 @@ class MesaConfig:
         if isinstance(self.division_block, bool) or not isinstance(self.division_block, int) \
                 or self.division_block < 2:
             _fail('division_block', self.division_block, 'an integer >= 2')
-        if not _is_bits(self.division_bits) or self.division_bits not in DIVISION_BITS:
+        if not _is_bits(self.division_bits, DIVISION_BITS):
             _fail('division_bits', self.division_bits, ', '.join(map(str, DIVISION_BITS)))
         if self.attention_maps not in ATTENTION_MAPS:
             _fail('attention_maps', self.attention_maps, ', '.join(ATTENTION_MAPS))

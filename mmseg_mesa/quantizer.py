@@ -173,7 +173,7 @@ class ActivationQuantizer(nn.Module):
         return refine(packed, x) if spec.bits == REFINED_BITS else packed
 
     def pack_standardized(self, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
-                          ) -> Packed:
+                          ) -> Packed | Refined:
         """``pack((x - mean) * rstd)`` for one ``mean`` and ``rstd > 0`` per group, without
         building that full-size fp32 tensor.
 
