@@ -72,6 +72,9 @@ class QuantSpec:
         refine_error: Of an attention operand's quantizer: the replay error beyond which the
             operands are refined (``MesaConfig.attention_refine_error``). Defaults to
             ``math.inf``: never, for a spec not made from a config.
+        refine_below: Of a BatchNorm's quantizer: batch statistics over fewer values per
+            channel than this keep refined codes (``MesaConfig.batchnorm_refine_below``).
+            Defaults to 0: never.
     """
 
     bits: int = 8
@@ -81,6 +84,7 @@ class QuantSpec:
     ema_decay: float = 0.9
     backend: str = 'auto'
     refine_error: float = math.inf
+    refine_below: int = 0
 
     def num_groups(self, channels: int) -> int:
         return (channels + self.group_size - 1) // self.group_size

@@ -156,9 +156,9 @@ class ActivationQuantizer(nn.Module):
                                            self.seen, group_dim, spec.group_size,
                                            spec.ema_decay)
 
-    def pack(self, x: torch.Tensor) -> Packed | Refined:
+    def pack(self, x: torch.Tensor, refined: bool = False) -> Packed | Refined:
         """Observe ``x`` (training step) and quantize it over the resulting range (refined to
-        about 16 bits where the spec says ``REFINED_BITS``)."""
+        about 16 bits where the spec says ``REFINED_BITS`` or the caller asks)."""
         spec = self.spec
         backend = self.backend_for(x)
         group_dim = spec.group_dim % x.dim()
@@ -170,12 +170,12 @@ class ActivationQuantizer(nn.Module):
             group_dim, spec.group_size, spec.ema_decay, bits, spec.stochastic, pack=True)
         packed = Packed(data, lower, scale, x.shape, x.dtype, bits, group_dim, spec.group_size,
                         spec.backend)
-        return refine(packed, x) if spec.bits == REFINED_BITS else packed
+        return refine(packed, x) if refined or spec.bits == REFINED_BITS else packed
 
-    def pack_standardized(self, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
-                          ) -> Packed | Refined:
-        """``pack((x - mean) * rstd)`` for one ``mean`` and ``rstd > 0`` per group, without
-        building that full-size fp32 tensor.
+    def pack_standardized(self, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                          refined: bool = False) -> Packed | Refined:
+        """``pack((x - mean) * rstd, refined)`` for one ``mean`` and ``rstd > 0`` per group,
+        without building that full-size fp32 tensor (but to refine it).
 
         A per-group affine map commutes with per-group quantization: the range of the
         normalized values is ``x``'s range mapped through it, and ``x`` quantized over that
@@ -201,7 +201,7 @@ class ActivationQuantizer(nn.Module):
             group_dim, 1, spec.ema_decay, bits, spec.stochastic, pack=True, mean=mean, rstd=rstd)
         packed = Packed(data, lower, scale, x.shape, torch.float32, bits, group_dim, 1,
                         spec.backend)
-        if spec.bits != REFINED_BITS:
+        if not refined and spec.bits != REFINED_BITS:
             return packed
         shape = [1] * x.dim()
         shape[group_dim] = -1

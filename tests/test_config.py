@@ -36,6 +36,9 @@ def test_defaults_are_the_papers():
     ('attention_refine_error', -0.1, 'a number >= 0'),
     ('attention_refine_error', None, 'math.inf: never refine'),
     ('attention_refine_error', float('nan'), 'a number >= 0'),
+    ('batchnorm_refine_below', -1, 'an integer >= 0'),
+    ('batchnorm_refine_below', 1.5, 'an integer >= 0'),
+    ('batchnorm_refine_below', True, '0: never refine'),
 ])
 def test_bad_values_name_key_and_allowed(key, value, allowed):
     with pytest.raises(ValueError) as err:

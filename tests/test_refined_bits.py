@@ -86,3 +86,50 @@ def test_16_bit_codes_through_a_whole_model(config):
         assert error16 < error8 / 10 and 1.5 * saved8 < saved16
     else:
         assert error16 < error8 and saved8 < saved16 < 1.5 * saved8
+
+
+def batchnorm_codes(count: int, **config) -> object:
+    """What a converted training-mode BatchNorm keeps of a batch of ``count`` values per
+    channel."""
+    from mmseg_mesa.saved import load
+    bn = torch.nn.BatchNorm2d(3)
+    convert_to_mesa(bn, config=MesaConfig(**config))
+    x = drawn(torch.randn, 1, 3, count, 1, generator=torch.Generator().manual_seed(0))
+    return load(bn(x.requires_grad_()).grad_fn)[0]
+
+
+@pytest.mark.parametrize('count, config, kind', [
+    (255, {}, Refined), (256, {}, Packed), (2, {}, Refined),
+    (255, {'batchnorm_refine_below': 0}, Packed),
+    (256, {'batchnorm_refine_below': 1000}, Refined),
+])
+def test_batchnorm_refines_its_codes_over_few_values_per_channel(count, config, kind):
+    """Batch statistics over fewer values per channel than ``batchnorm_refine_below`` (256 by
+    default) keep refined codes of the normalized input; from there on 8-bit ones; 0 never."""
+    codes = batchnorm_codes(count, **config)
+    assert type(codes) is kind
+    if kind is Refined:
+        assert codes.coarse.bits == 8
+
+
+def test_batchnorm_over_few_values_sends_back_a_sharper_input_gradient():
+    """The refined codes reach backward: a BatchNorm over 64 values per channel (forward
+    bit-identical either way) returns an input gradient far closer to torch's than its 8-bit
+    codes give."""
+    gen = torch.Generator().manual_seed(1)
+    x = drawn(torch.randn, 2, 8, 4, 8, generator=gen) * 3 + 1
+    grad = drawn(torch.randn, x.shape, generator=gen) + x  # correlated with x, as losses are
+    reference = torch.nn.BatchNorm2d(8)
+    x_ref = x.clone().requires_grad_()
+    y_ref = reference(x_ref)
+    y_ref.backward(grad)
+    errors = {}
+    for below in (0, 256):
+        bn = torch.nn.BatchNorm2d(8)
+        convert_to_mesa(bn, config=MesaConfig(batchnorm_refine_below=below))
+        x_in = x.clone().requires_grad_()
+        y = bn(x_in)
+        assert torch.equal(y, y_ref)
+        y.backward(grad)
+        errors[below] = ((x_in.grad - x_ref.grad).norm() / x_ref.grad.norm()).item()
+    assert errors[256] < errors[0] / 50, errors

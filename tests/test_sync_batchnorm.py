@@ -192,11 +192,25 @@ def _frozen_input(rank: int) -> dict:
             'grad_b_cosine': cosine(all_reduced(ours.bias.grad), ref.bias.grad)}
 
 
+def _codes_kinds(rank: int) -> dict:
+    """What each rank keeps where its own batch has 150 values per channel and the process
+    group's 240 or 300: the global count decides (``batchnorm_refine_below``, 256)."""
+    from mmseg_mesa.saved import load
+    kinds = {}
+    for width in (12, 15):
+        x = torch.randn(1, CHANNELS, 10, width, requires_grad=True)
+        y = MesaSyncBatchNorm(CHANNELS)(x)
+        kinds[str(2 * 10 * width)] = type(load(y.grad_fn)[0]).__name__
+        y.sum().backward()  # the collective of backward must run on every rank
+    return kinds
+
+
 def _layer_worker(rank: int, path: str) -> None:
     torch.manual_seed(100 + rank)  # stochastic rounding differs between ranks, as in training
     results = {name: _layer_case(rank, *case) for name, case in LAYER_CASES.items()}
     results['saved_bytes'] = _saved_bytes(rank)
     results['frozen_input'] = _frozen_input(rank)
+    results['codes_kinds'] = _codes_kinds(rank)
     if rank == 0:
         dump(path, results)
 
@@ -225,6 +239,10 @@ def test_matches_batchnorm_on_global_batch(layer_results, name):
 def test_frozen_input(layer_results):
     r = layer_results['frozen_input']
     assert min(r.values()) >= GRAD_COSINE, r
+
+
+def test_few_values_over_the_process_group_refine_the_codes(layer_results):
+    assert layer_results['codes_kinds'] == {'240': 'Refined', '300': 'Packed'}
 
 
 def test_saved_bytes(layer_results):

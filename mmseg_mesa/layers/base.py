@@ -26,7 +26,8 @@ def quant_spec(config: MesaConfig, group_dim: int, group_size: int | None = None
     return QuantSpec(bits=config.bits, group_dim=group_dim,
                      group_size=config.group_size if group_size is None else group_size,
                      stochastic=config.stochastic_rounding, ema_decay=config.ema_decay,
-                     backend=config.backend, refine_error=config.attention_refine_error)
+                     backend=config.backend, refine_error=config.attention_refine_error,
+                     refine_below=config.batchnorm_refine_below)
 
 
 def row_group_config(config: MesaConfig) -> MesaConfig:

@@ -171,7 +171,9 @@ class MesaBatchNormFunction(torch.autograd.Function):
         scale_free.claim(ctx, x, weight)
         y, mean, invstd = batch_norm_with_moments(x, running_mean, running_var, weight, bias,
                                                   momentum, eps)
-        save(ctx, pack_channel_normalized(x, mean, invstd, quantizer), invstd, weight, bias)
+        refined = few_values(quantizer, x.numel() // max(x.shape[1], 1))
+        save(ctx, pack_channel_normalized(x, mean, invstd, quantizer, refined), invstd, weight,
+             bias)
         scale_free.offer(ctx, y, source=weight is not None and ctx.needs_input_grad[1])
         return mark_channels_first(y)
 
@@ -258,15 +260,23 @@ def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
     return y, mean, invstd
 
 
+def few_values(quantizer: Any, count: int) -> bool:
+    """Whether batch statistics over ``count`` values per channel are too few for the
+    quantizer's own codes of the normalized input: it refines them
+    (``MesaConfig.batchnorm_refine_below``; Mesa's quantizer only, DIVISION has its own)."""
+    return isinstance(quantizer, ActivationQuantizer) and count < quantizer.spec.refine_below
+
+
 def pack_channel_normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
-                            quantizer: Any) -> Any:
-    """The packed ``(x - mean) * invstd`` (per channel of dim 1).
+                            quantizer: Any, refined: bool = False) -> Any:
+    """The packed ``(x - mean) * invstd`` (per channel of dim 1), ``refined`` to about 16 bits
+    if asked (``few_values``).
 
     An ``ActivationQuantizer`` packs it straight from ``x`` (``pack_standardized``: no
     full-size temporary); other compressors (DIVISION) get the normalized tensor.
     """
     if isinstance(quantizer, ActivationQuantizer):
-        return quantizer.pack_standardized(x, mean, invstd)
+        return quantizer.pack_standardized(x, mean, invstd, refined)
     return quantizer.pack(standardized(x, mean, invstd))
 
 

@@ -47,6 +47,7 @@ from .norm import (
     batch_norm_momentum,
     channel_shape,
     eval_batch_norm,
+    few_values,
     standardize_scale,
 )
 from .norm_backward import NormSets, normalization_backward
@@ -126,7 +127,8 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
             if bias is not None:
                 y = y + bias.float().view(shape)
             y = y.to(x.dtype)
-            packed = quantizer.pack(x_norm) if x.numel() else None
+            packed = quantizer.pack(x_norm, few_values(quantizer, int(count))) \
+                if x.numel() else None
         ctx.count = count
         save(ctx, packed, invstd, weight, bias)
         return mark_channels_first(y)
