@@ -197,10 +197,12 @@ def _codes_kinds(rank: int) -> dict:
     group's 240 or 300: the global count decides (``batchnorm_refine_below``, 256)."""
     from mmseg_mesa.saved import load
     kinds = {}
-    for width in (12, 15):
+    for width, compressor in ((12, 'mesa'), (15, 'mesa'), (12, 'division')):
+        bn = nn.SyncBatchNorm(CHANNELS)
+        convert_to_mesa(bn, config=MesaConfig(compressor=compressor))
         x = torch.randn(1, CHANNELS, 10, width, requires_grad=True)
-        y = MesaSyncBatchNorm(CHANNELS)(x)
-        kinds[str(2 * 10 * width)] = type(load(y.grad_fn)[0]).__name__
+        y = bn(x)
+        kinds[f'{compressor} {2 * 10 * width}'] = type(load(y.grad_fn)[0]).__name__
         y.sum().backward()  # the collective of backward must run on every rank
     return kinds
 
@@ -242,7 +244,8 @@ def test_frozen_input(layer_results):
 
 
 def test_few_values_over_the_process_group_refine_the_codes(layer_results):
-    assert layer_results['codes_kinds'] == {'240': 'Refined', '300': 'Packed'}
+    assert layer_results['codes_kinds'] == {'mesa 240': 'Refined', 'mesa 300': 'Packed',
+                                            'division 240': 'DivisionPacked'}
 
 
 def test_saved_bytes(layer_results):

@@ -127,8 +127,12 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
             if bias is not None:
                 y = y + bias.float().view(shape)
             y = y.to(x.dtype)
-            packed = quantizer.pack(x_norm, few_values(quantizer, int(count))) \
-                if x.numel() else None
+            if not x.numel():
+                packed = None
+            elif few_values(quantizer, int(count)):  # Mesa's quantizer: DIVISION's has no refine
+                packed = quantizer.pack(x_norm, refined=True)
+            else:
+                packed = quantizer.pack(x_norm)
         ctx.count = count
         save(ctx, packed, invstd, weight, bias)
         return mark_channels_first(y)
