@@ -333,3 +333,31 @@ def test_t2t_vit_sharp_attention_is_left_to_torch_and_named():
     assert result['forward_identical']
     assert result['relative_error'] <= 0.02 and result['worst_cosine'] >= 0.99
     assert result['left_to_torch'] == [f'16 x MultiheadAttention: {SHARP_MAP}']
+
+
+@pytest.mark.slow
+def test_timm_repvit_holds_with_batchnorm_over_few_values_refined():
+    """timm's RepViT at 128x128, batch 2: a 1x1 scale branch's near-zero channel has a gradient
+    that cancels 50-fold over its 128 values, and the BatchNorms after it, over 128 values per
+    channel too, err along it with 8-bit codes. With them refined (the default,
+    ``batchnorm_refine_below``) every parameter holds; at 8 bits one does not."""
+    from mmseg_mesa import MesaConfig
+    from mmseg_mesa.bench import models
+    from mmseg_mesa.bench.backbones import upernet_config
+    from mmseg_mesa.bench.fidelity import losses_and_gradients, split
+    cfg = upernet_config(dict(type='mmpretrain.TIMMBackbone', model_name='repvit_m1',
+                              features_only=True, pretrained=False), 128)
+    torch.manual_seed(0)
+    reference = models.build_model(cfg, 'cpu')
+    data, _ = split(models.make_batch(cfg, 4, (128, 128), 'cpu'), 2)
+    models = {below: copy.deepcopy(reference) for below in (256, 0)}
+    reference.train()
+    exact_losses, exact = losses_and_gradients(reference, data)
+    worst = {}
+    for below, model in models.items():
+        convert_to_mesa(model, config=MesaConfig(batchnorm_refine_below=below))
+        model.train()
+        losses, grads = losses_and_gradients(model, data)
+        assert all(torch.equal(losses[k], exact_losses[k]) for k in losses if 'loss' in k)
+        worst[below] = worst_cosine(grads, exact)
+    assert worst[256] >= 0.99 > worst[0], worst
