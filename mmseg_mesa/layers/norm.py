@@ -155,8 +155,10 @@ class MesaBatchNormFunction(torch.autograd.Function):
     pooled branch sees batch-size values) the spread of ``x`` within a channel can be far below
     a quantization step of ``x``'s range, which wrecked gradients. Backward re-standardizes the
     dequantized values, so the input gradient stays exactly orthogonal to per-channel constants
-    (a bias in front of BatchNorm keeps its analytically zero gradient). Where nothing else holds
-    the incoming gradient, backward writes the input gradient into it
+    (a bias in front of BatchNorm keeps its analytically zero gradient). Over few values per
+    channel the codes are refined (``few_values``): each channel's sum of them against the
+    output gradient then has too few terms to average their rounding out. Where nothing else
+    holds the incoming gradient, backward writes the input gradient into it
     (``norm_backward_owned``).
     """
 
