@@ -3,7 +3,8 @@
 
 Importing this module loads ``mmseg_mesa._C``, which registers ``torch.ops.mmseg_mesa.*`` with
 CPU kernels and, in a CUDA build, CUDA kernels (sources in ``csrc/``; their arithmetic is one
-header, ``csrc/mesa_numerics.h``). Each function mirrors a step of the pure-PyTorch reference
+header, ``csrc/mesa_numerics.h``), and ``fake_kernels`` with the FakeTensor kernels that
+``torch.compile`` traces them with. Each function mirrors a step of the pure-PyTorch reference
 (``reference.py``) and gives bit-identical results under both roundings; the backends give them
 the signature of ``reference.Reference``.
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _C, _backend  # importing _C registers torch.ops.mmseg_mesa
+# importing _C registers torch.ops.mmseg_mesa, fake_kernels their FakeTensor kernels
+from . import _C, _backend, fake_kernels  # noqa: F401
 from .reference import REFERENCE
 from .reference import observe_then_quantize as _observe_then_quantize
 from .rounding import rounding_counter
