@@ -1,11 +1,18 @@
 """``python -m mmseg_mesa.info``: which Mesa backend runs here, for CPU and for CUDA tensors, and
 why; and which module types Mesa converts, by layer type (read from the handler table, so a new
-layer shows here once it is registered)."""
+layer shows here once it is registered).
+
+``--check`` also runs every op of the backend ``'auto'`` picks on each device (the CPU and
+every visible GPU) against the pure-PyTorch reference (``selfcheck``), prints pass or fail per
+op and device, and exits non-zero when any fails."""
 from __future__ import annotations
+
+import argparse
+import time
 
 import torch
 
-from . import __version__, _backend
+from . import __version__, _backend, selfcheck
 from .layer_types import opt_in_layer_types
 from .registry import handled_types, handler_for_type
 
@@ -82,12 +89,43 @@ def converted_types() -> dict[str, list[str]]:
     return {layer_type: sorted(names) for layer_type, names in sorted(by_type.items())}
 
 
-def main() -> None:
+def check_kernels() -> bool:
+    """Print ``selfcheck``'s result per device and op; whether every op agreed."""
+    ok = True
+    for device in selfcheck.available_devices():
+        backend = selfcheck.compiled_backend(device)
+        if backend is None:
+            print(f'{device}: no compiled kernels run here (the reference does); nothing to '
+                  'check')
+            continue
+        start = time.perf_counter()
+        checks = selfcheck.check_backend(backend, device)
+        elapsed = time.perf_counter() - start
+        print(f'{device}: {backend.name} against the pure-PyTorch reference '
+              f'({elapsed * 1000:.0f} ms)')
+        width = max(map(len, selfcheck.OPS))
+        for check in checks:
+            ok &= check.ok
+            verdict = 'pass' if check.ok else 'FAIL'
+            print(f'  {check.op:<{width}} {verdict}  {check.detail}')
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog='python -m mmseg_mesa.info', description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--check', action='store_true',
+                        help='hold every op of the kernels to the reference on each device')
+    args = parser.parse_args(argv)
     report = collect()
     width = max(map(len, report))
     for label, value in report.items():
         print(f'{label:<{width}} : {value}')
+    if args.check and not check_kernels():
+        print("Some kernels disagree with the reference: train with mesa = dict(backend='torch')")
+        return 1
+    return 0
 
 
 if __name__ == '__main__':
-    main()
+    raise SystemExit(main())

@@ -15,6 +15,8 @@ holds once for all models, and it is all here:
 - ``ROUNDING_STREAMS``: per device, the seed and counter of stochastic rounding's random stream
   (``rounding``), separate from torch's generators so that compressing never shifts them.
 - ``REUSE_COUNTERS``: the ``reuse.count_reuse`` blocks currently open.
+- ``KERNEL_CHECKS``: per device and backend, the result of holding the compiled kernels to the
+  reference before their first use there (``selfcheck.verify_first_use``), so it runs once.
 
 Two more live beside their types because they are of them: the extension's load state
 (``_backend.EXTENSION``: loaded once, with the reason when it cannot be) and the hand-off maps
@@ -32,3 +34,4 @@ LAYER_CLASSES: dict[str, type] = {}  # Mesa layer classes by name (exported by m
 SWAPPED_CLASSES: dict[tuple[type, type], type] = {}  # (Mesa class, subclass) -> built class
 ROUNDING_STREAMS: dict[Any, Any] = {}  # torch.device -> rounding stream
 REUSE_COUNTERS: list[Any] = []  # open count_reuse blocks: (counts, quantizer owners)
+KERNEL_CHECKS: dict[Any, Any] = {}  # (torch.device, backend name) -> selfcheck results

@@ -10,6 +10,7 @@ from mmengine.registry import HOOKS
 
 from ..config import MesaConfig
 from ..convert import convert_to_mesa
+from ..selfcheck import verify_first_use
 from ..training_state import restore_training_state, training_state
 
 # The checkpoint's top-level key of Mesa's training state; ``state_dict`` stays plain mmseg's.
@@ -32,6 +33,11 @@ class MesaHook(Hook):
     without it (plain mmseg's, or an older one) loads as before: the estimates start from the
     next batch. Under DDP only rank 0 saves, so every rank resumes with rank 0's estimates.
 
+    In ``before_train`` on a GPU, the CUDA kernels that will code the activations are held to
+    the pure-PyTorch reference once per process and device (``selfcheck.verify_first_use``, a
+    fraction of a second): kernels that disagree there would otherwise train on wrong codes
+    without an error. A disagreement raises, naming the ops and ``mesa = dict(backend='torch')``.
+
     Args:
         mesa: ``True``, a ``dict`` of ``MesaConfig`` fields, or None to read ``cfg.mesa`` from
             the runner's config. Defaults to None.
@@ -44,6 +50,7 @@ class MesaHook(Hook):
         self._explicit = mesa is not None
         self.config = MesaConfig.from_cfg(mesa) if mesa is not None else None
         self.report = None
+        self._backend = 'auto'  # the converted model's ``MesaConfig.backend``
 
     def before_run(self, runner: Any) -> None:
         config = self.config if self._explicit else MesaConfig.from_cfg(runner.cfg.get('mesa'))
@@ -58,7 +65,18 @@ class MesaHook(Hook):
         # gradients (tests/test_sync_batchnorm.py checks it); syncing the estimates would cost
         # a collective per layer and step for nothing.
         self.report = convert_to_mesa(model, config=config)
+        self._backend = config.backend
         runner.logger.info(f'Mesa ({config}):\n{self.report.format()}')
+
+    def before_train(self, runner: Any) -> None:
+        model = self._converted_model(runner)
+        parameter = next(model.parameters(), None) if model is not None else None
+        if parameter is None:
+            return
+        checks = verify_first_use(parameter.device, self._backend)
+        if checks:
+            runner.logger.info(f'Mesa: the {checks[0].backend} agree with the reference on '
+                               f'{checks[0].device} ({len(checks)} ops)')
 
     def _converted_model(self, runner: Any) -> Any:
         if self.report is None:  # Mesa is off in this run
