@@ -45,7 +45,9 @@ bool is_aligned(const void* ptr, size_t bytes) {
 
 // ---------------------------------------------------------------- observe
 
-// Unsigned keys ordered like the floats they encode, for atomicMin/atomicMax.
+// Unsigned keys ordered like the floats they encode, for atomicMax. A zeroed buffer holds the
+// identity of both reductions (0 is below every finite value's key), so one memset prepares it:
+// the maxima keep the key, the minima its complement.
 __device__ __forceinline__ uint32_t ordered_key(float v) {
   const uint32_t bits = __float_as_uint(v);
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
@@ -55,23 +57,39 @@ __device__ __forceinline__ float key_value(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
-__global__ void init_keys_kernel(uint32_t* min_keys, uint32_t* max_keys, int64_t groups) {
-  const int64_t g = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (g < groups) {
-    min_keys[g] = ordered_key(INFINITY);
-    max_keys[g] = ordered_key(-INFINITY);
-  }
+// The reduced min and max of a group; a group without a finite value gives +inf and -inf.
+__device__ __forceinline__ float min_of(const volatile uint32_t* min_keys, int64_t g) {
+  const uint32_t stored = min_keys[g];
+  return stored == 0 ? INFINITY : key_value(~stored);
 }
+
+__device__ __forceinline__ float max_of(const volatile uint32_t* max_keys, int64_t g) {
+  const uint32_t stored = max_keys[g];
+  return stored == 0 ? -INFINITY : key_value(stored);
+}
+
+// Where a group's reduction goes, and what the last block makes of it.
+struct EmaTarget {
+  float* lower;
+  float* span;
+  bool* seen;
+  float decay;
+  float keep_new;
+  float* cover_lower;
+  float* cover_span;
+};
 
 // The tensor as rows x row_len (row_len = channels * inner). A thread keeps the min/max of one
 // column over a strided set of rows in registers; a warp then merges lanes of the same group
 // (consecutive columns, so groups are non-decreasing across lanes) and one lane per group
-// publishes the result atomically.
+// publishes the result atomically. The last block to finish (counted in `done`, after a fence)
+// applies quantizer.ema_update per group (mesa_numerics.h): one launch for the whole observe.
 template <typename scalar_t>
 __global__ void group_min_max_kernel(const scalar_t* __restrict__ x, int64_t rows,
                                      int64_t row_len, int64_t inner, int64_t group_size,
-                                     uint32_t* __restrict__ min_keys,
-                                     uint32_t* __restrict__ max_keys) {
+                                     int64_t groups, uint32_t* __restrict__ min_keys,
+                                     uint32_t* __restrict__ max_keys, uint32_t* done,
+                                     EmaTarget ema) {
   const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const bool active = col < row_len;
   float lo = INFINITY;
@@ -105,30 +123,34 @@ __global__ void group_min_max_kernel(const scalar_t* __restrict__ x, int64_t row
   const int32_t group_before = __shfl_up_sync(kFullMask, group, 1);
   const bool first_of_group = lane == 0 || group_before != group;
   if (active && first_of_group && lo <= hi) {
-    atomicMin(min_keys + group, ordered_key(lo));
+    atomicMax(min_keys + group, ~ordered_key(lo));
     atomicMax(max_keys + group, ordered_key(hi));
   }
-}
 
-// quantizer.ema_update per group (mesa_numerics.h), from the reduced keys.
-__global__ void ema_update_kernel(const uint32_t* __restrict__ min_keys,
-                                  const uint32_t* __restrict__ max_keys, int64_t groups,
-                                  float* __restrict__ lower, float* __restrict__ span,
-                                  bool* __restrict__ seen, float decay, float keep_new,
-                                  float* __restrict__ cover_lower,
-                                  float* __restrict__ cover_span) {
-  const int64_t g = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (g >= groups) {
+  // Publish this block's atomics before counting it done; the last block sees every block's.
+  __shared__ bool last_block;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    const unsigned blocks = gridDim.x * gridDim.y;
+    last_block = atomicAdd(done, 1u) == blocks - 1;
+  }
+  __syncthreads();
+  if (!last_block) {
     return;
   }
-  float group_lower = lower[g];
-  float group_span = span[g];
-  bool group_seen = seen[g];
-  ema_group_update(key_value(min_keys[g]), key_value(max_keys[g]), decay, keep_new, group_lower,
-                   group_span, group_seen, cover_lower[g], cover_span[g]);
-  lower[g] = group_lower;
-  span[g] = group_span;
-  seen[g] = group_seen;
+  __threadfence();
+  const int64_t threads = int64_t{blockDim.x} * blockDim.y;
+  for (int64_t g = threadIdx.y * int64_t{blockDim.x} + threadIdx.x; g < groups; g += threads) {
+    float group_lower = ema.lower[g];
+    float group_span = ema.span[g];
+    bool group_seen = ema.seen[g];
+    ema_group_update(min_of(min_keys, g), max_of(max_keys, g), ema.decay, ema.keep_new,
+                     group_lower, group_span, group_seen, ema.cover_lower[g], ema.cover_span[g]);
+    ema.lower[g] = group_lower;
+    ema.span[g] = group_span;
+    ema.seen[g] = group_seen;
+  }
 }
 
 // ---------------------------------------------------------------- quantize / dequantize
@@ -251,12 +273,12 @@ at::Tensor observe_cuda(const at::Tensor& x, const at::Tensor& lower, const at::
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor keys = at::empty({2, layout.groups}, x.options().dtype(at::kInt));
+  // The min keys, the max keys and the blocks-done counter, zeroed in one memset.
+  const at::Tensor keys = at::empty({2 * layout.groups + 1}, x.options().dtype(at::kInt));
   auto* min_keys = reinterpret_cast<uint32_t*>(keys.mutable_data_ptr<int32_t>());
   uint32_t* max_keys = min_keys + layout.groups;
-  const auto group_blocks = static_cast<unsigned>((layout.groups + kThreads - 1) / kThreads);
-  init_keys_kernel<<<group_blocks, kThreads, 0, stream>>>(min_keys, max_keys, layout.groups);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  uint32_t* done = max_keys + layout.groups;
+  C10_CUDA_CHECK(cudaMemsetAsync(min_keys, 0, keys.nbytes(), stream));
 
   const int64_t row_len = layout.channels * layout.inner;
   const int64_t rows = layout.numel / row_len;
@@ -268,21 +290,20 @@ at::Tensor observe_cuda(const at::Tensor& x, const at::Tensor& lower, const at::
   const int64_t wanted = std::max<int64_t>(1, int64_t{multiprocessors(x)} * 8 / blocks_x);
   const int64_t blocks_y =
       std::min<int64_t>({(rows + block.y - 1) / block.y, wanted, int64_t{65535}});
+  TORCH_CHECK(blocks_x * blocks_y <= std::numeric_limits<int32_t>::max(), op,
+              ": tensor too large");
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(blocks_y));
+  // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to fp32.
+  const EmaTarget ema{lower.mutable_data_ptr<float>(), span.mutable_data_ptr<float>(),
+                      seen.mutable_data_ptr<bool>(), static_cast<float>(decay),
+                      static_cast<float>(1.0 - decay), cover.mutable_data_ptr<float>(),
+                      cover.mutable_data_ptr<float>() + layout.groups};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {
     group_min_max_kernel<scalar_t><<<grid, block, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), rows, row_len, layout.inner, layout.group_size, min_keys,
-        max_keys);
+        x.const_data_ptr<scalar_t>(), rows, row_len, layout.inner, layout.group_size,
+        layout.groups, min_keys, max_keys, done, ema);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-
-  // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to fp32.
-  ema_update_kernel<<<group_blocks, kThreads, 0, stream>>>(
-      min_keys, max_keys, layout.groups, lower.mutable_data_ptr<float>(),
-      span.mutable_data_ptr<float>(), seen.mutable_data_ptr<bool>(), static_cast<float>(decay),
-      static_cast<float>(1.0 - decay), cover.mutable_data_ptr<float>(),
-      cover.mutable_data_ptr<float>() + layout.groups);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return cover;
 }
 
