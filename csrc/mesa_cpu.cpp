@@ -587,19 +587,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
   const float* m = mean.has_value() ? mean->const_data_ptr<float>() : nullptr;
   const float* r = rstd.has_value() ? rstd->const_data_ptr<float>() : nullptr;
   std::vector<float> x_lower(m != nullptr ? groups : 0), x_scale(m != nullptr ? groups : 0);
-  EmaUpdate ema(lower, span, seen, decay);
+  float* running_lower = lower.mutable_data_ptr<float>();
+  float* running_span = span.mutable_data_ptr<float>();
+  bool* running_seen = seen.mutable_data_ptr<bool>();
+  // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to fp32.
+  const float decay_f = static_cast<float>(decay);
+  const float keep_new = static_cast<float>(1.0 - decay);
   for (int64_t g = 0; g < groups; ++g) {
-    float group_lo = lo[g], group_hi = hi[g];
+    const GroupAffine affine = pack_group_range(
+        lo[g], hi[g], m != nullptr, m != nullptr ? m[g] : 0.0f, r != nullptr ? r[g] : 1.0f,
+        decay_f, keep_new, levels, running_lower[g], running_span[g], running_seen[g]);
+    out_lower[g] = affine.used_lower;
+    out_scale[g] = affine.used_scale;
     if (m != nullptr) {
-      group_lo = mul_rn(sub_rn(group_lo, m[g]), r[g]);
-      group_hi = mul_rn(sub_rn(group_hi, m[g]), r[g]);
-    }
-    float cover_span;
-    ema(g, group_lo, group_hi, out_lower[g], cover_span);
-    out_scale[g] = scale_of_span(cover_span, levels);
-    if (m != nullptr) {
-      x_lower[g] = add_rn(m[g], div_rn(out_lower[g], r[g]));
-      x_scale[g] = scale_of_span(div_rn(cover_span, r[g]), levels);
+      x_lower[g] = affine.x_lower;
+      x_scale[g] = affine.x_scale;
     }
   }
   at::Tensor codes = at::empty(quantized_shape(x, bits, pack), x.options().dtype(at::kByte));

@@ -13,6 +13,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <optional>
+#include <tuple>
 
 namespace mmseg_mesa {
 namespace {
@@ -68,8 +70,9 @@ __device__ __forceinline__ float max_of(const volatile uint32_t* max_keys, int64
   return stored == 0 ? -INFINITY : key_value(stored);
 }
 
-// Where a group's reduction goes, and what the last block makes of it.
-struct EmaTarget {
+// What the last block makes of each group's range: the running estimates updated
+// (quantizer.ema_update) and the range that covers this batch (observe).
+struct ObserveFinish {
   float* lower;
   float* span;
   bool* seen;
@@ -77,19 +80,65 @@ struct EmaTarget {
   float keep_new;
   float* cover_lower;
   float* cover_span;
+
+  __device__ void operator()(int64_t g, float lo, float hi) const {
+    float group_lower = lower[g];
+    float group_span = span[g];
+    bool group_seen = seen[g];
+    ema_group_update(lo, hi, decay, keep_new, group_lower, group_span, group_seen,
+                     cover_lower[g], cover_span[g]);
+    lower[g] = group_lower;
+    span[g] = group_span;
+    seen[g] = group_seen;
+  }
+};
+
+// The same update, then the affines of a pack (observe_quantize, mesa_numerics.h's
+// pack_group_range): the one returned with the codes (`used_*`) and the one the codes are made
+// with (`coding_*`).
+struct PackFinish {
+  float* lower;
+  float* span;
+  bool* seen;
+  const float* mean;  // null unless standardized
+  const float* rstd;
+  float decay;
+  float keep_new;
+  float levels;
+  float* used_lower;
+  float* used_scale;
+  float* coding_lower;
+  float* coding_scale;
+
+  __device__ void operator()(int64_t g, float lo, float hi) const {
+    float group_lower = lower[g];
+    float group_span = span[g];
+    bool group_seen = seen[g];
+    const bool standardized = mean != nullptr;
+    const GroupAffine affine = pack_group_range(
+        lo, hi, standardized, standardized ? mean[g] : 0.0f, standardized ? rstd[g] : 1.0f,
+        decay, keep_new, levels, group_lower, group_span, group_seen);
+    lower[g] = group_lower;
+    span[g] = group_span;
+    seen[g] = group_seen;
+    used_lower[g] = affine.used_lower;
+    used_scale[g] = affine.used_scale;
+    coding_lower[g] = affine.x_lower;
+    coding_scale[g] = affine.x_scale;
+  }
 };
 
 // The tensor as rows x row_len (row_len = channels * inner). A thread keeps the min/max of one
 // column over a strided set of rows in registers; a warp then merges lanes of the same group
 // (consecutive columns, so groups are non-decreasing across lanes) and one lane per group
 // publishes the result atomically. The last block to finish (counted in `done`, after a fence)
-// applies quantizer.ema_update per group (mesa_numerics.h): one launch for the whole observe.
-template <typename scalar_t>
+// hands every group's range to `finish`: one launch for the whole observe.
+template <typename scalar_t, typename Finish>
 __global__ void group_min_max_kernel(const scalar_t* __restrict__ x, int64_t rows,
                                      int64_t row_len, int64_t inner, int64_t group_size,
                                      int64_t groups, uint32_t* __restrict__ min_keys,
                                      uint32_t* __restrict__ max_keys, uint32_t* done,
-                                     EmaTarget ema) {
+                                     Finish finish) {
   const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const bool active = col < row_len;
   float lo = INFINITY;
@@ -142,14 +191,7 @@ __global__ void group_min_max_kernel(const scalar_t* __restrict__ x, int64_t row
   __threadfence();
   const int64_t threads = int64_t{blockDim.x} * blockDim.y;
   for (int64_t g = threadIdx.y * int64_t{blockDim.x} + threadIdx.x; g < groups; g += threads) {
-    float group_lower = ema.lower[g];
-    float group_span = ema.span[g];
-    bool group_seen = ema.seen[g];
-    ema_group_update(min_of(min_keys, g), max_of(max_keys, g), ema.decay, ema.keep_new,
-                     group_lower, group_span, group_seen, ema.cover_lower[g], ema.cover_span[g]);
-    ema.lower[g] = group_lower;
-    ema.span[g] = group_span;
-    ema.seen[g] = group_seen;
+    finish(g, min_of(min_keys, g), max_of(max_keys, g));
   }
 }
 
@@ -255,6 +297,66 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ in,
   }
 }
 
+// ---------------------------------------------------------------- host launches
+
+// The keys zeroed (one memset), then group_min_max_kernel handing each group's range of x to
+// `finish` in its last block. Any layout with a group, empty tensors included.
+template <typename Finish>
+void launch_group_range(const char* op, const at::Tensor& x, const GroupLayout& layout,
+                        const Finish& finish) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The min keys, the max keys and the blocks-done counter.
+  const at::Tensor keys = at::empty({2 * layout.groups + 1}, x.options().dtype(at::kInt));
+  auto* min_keys = reinterpret_cast<uint32_t*>(keys.mutable_data_ptr<int32_t>());
+  uint32_t* max_keys = min_keys + layout.groups;
+  uint32_t* done = max_keys + layout.groups;
+  C10_CUDA_CHECK(cudaMemsetAsync(min_keys, 0, keys.nbytes(), stream));
+
+  const int64_t row_len = layout.channels * layout.inner;
+  const int64_t rows = row_len > 0 ? layout.numel / row_len : 0;
+  const int64_t warps_x = std::clamp<int64_t>((row_len + 31) / 32, 1, kThreads / 32);
+  const dim3 block(static_cast<unsigned>(32 * warps_x),
+                   static_cast<unsigned>(std::max<int64_t>(1, kThreads / 32 / warps_x)));
+  const int64_t blocks_x = std::max<int64_t>(1, (row_len + block.x - 1) / block.x);
+  const int64_t wanted = std::max<int64_t>(1, int64_t{multiprocessors(x)} * 8 / blocks_x);
+  const int64_t blocks_y =
+      std::clamp<int64_t>(std::min((rows + block.y - 1) / block.y, wanted), 1, 65535);
+  TORCH_CHECK(blocks_x * blocks_y <= std::numeric_limits<int32_t>::max(), op,
+              ": tensor too large");
+  const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(blocks_y));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_min_max", [&] {
+    group_min_max_kernel<scalar_t, Finish><<<grid, block, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), rows, row_len, layout.inner, layout.group_size,
+        layout.groups, min_keys, max_keys, done, finish);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// quantize_kernel over x into `codes`, shaped by quantized_shape.
+void launch_quantize(const at::Tensor& x, const float* lower, const float* scale,
+                     at::Tensor& codes, const GroupLayout& layout, int64_t bits,
+                     bool stochastic, int64_t seed, int64_t offset, bool pack) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto blocks =
+      static_cast<unsigned>(elementwise_blocks(x, (layout.numel + kChunk - 1) / kChunk));
+  const int width = static_cast<int>(bits);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize", [&] {
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    uint8_t* out = codes.mutable_data_ptr<uint8_t>();
+    const bool aligned = is_aligned(in, 16) && is_aligned(out, 8);
+    if (stochastic) {
+      quantize_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
+          in, lower, scale, out, layout, levels, width, pack, aligned,
+          static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+    } else {
+      quantize_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
+          in, lower, scale, out, layout, levels, width, pack, aligned, 0, 0);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- host entry points
@@ -272,38 +374,12 @@ at::Tensor observe_cuda(const at::Tensor& x, const at::Tensor& lower, const at::
     return cover;
   }
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // The min keys, the max keys and the blocks-done counter, zeroed in one memset.
-  const at::Tensor keys = at::empty({2 * layout.groups + 1}, x.options().dtype(at::kInt));
-  auto* min_keys = reinterpret_cast<uint32_t*>(keys.mutable_data_ptr<int32_t>());
-  uint32_t* max_keys = min_keys + layout.groups;
-  uint32_t* done = max_keys + layout.groups;
-  C10_CUDA_CHECK(cudaMemsetAsync(min_keys, 0, keys.nbytes(), stream));
-
-  const int64_t row_len = layout.channels * layout.inner;
-  const int64_t rows = layout.numel / row_len;
-  const int64_t warps_x = std::min<int64_t>(kThreads / 32, (row_len + 31) / 32);
-  const dim3 block(static_cast<unsigned>(32 * warps_x),
-                   static_cast<unsigned>(std::max<int64_t>(1, kThreads / 32 / warps_x)));
-  const int64_t blocks_x = (row_len + block.x - 1) / block.x;
-  TORCH_CHECK(blocks_x <= std::numeric_limits<int32_t>::max(), op, ": tensor too large");
-  const int64_t wanted = std::max<int64_t>(1, int64_t{multiprocessors(x)} * 8 / blocks_x);
-  const int64_t blocks_y =
-      std::min<int64_t>({(rows + block.y - 1) / block.y, wanted, int64_t{65535}});
-  TORCH_CHECK(blocks_x * blocks_y <= std::numeric_limits<int32_t>::max(), op,
-              ": tensor too large");
-  const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(blocks_y));
   // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to fp32.
-  const EmaTarget ema{lower.mutable_data_ptr<float>(), span.mutable_data_ptr<float>(),
-                      seen.mutable_data_ptr<bool>(), static_cast<float>(decay),
-                      static_cast<float>(1.0 - decay), cover.mutable_data_ptr<float>(),
-                      cover.mutable_data_ptr<float>() + layout.groups};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {
-    group_min_max_kernel<scalar_t><<<grid, block, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), rows, row_len, layout.inner, layout.group_size,
-        layout.groups, min_keys, max_keys, done, ema);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  const ObserveFinish finish{lower.mutable_data_ptr<float>(), span.mutable_data_ptr<float>(),
+                             seen.mutable_data_ptr<bool>(), static_cast<float>(decay),
+                             static_cast<float>(1.0 - decay), cover.mutable_data_ptr<float>(),
+                             cover.mutable_data_ptr<float>() + layout.groups};
+  launch_group_range(op, x, layout, finish);
   return cover;
 }
 
@@ -318,27 +394,44 @@ at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& lower, const at:
   if (layout.numel == 0) {
     return codes;
   }
-  const float levels = static_cast<float>((1 << bits) - 1);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const auto blocks =
-      static_cast<unsigned>(elementwise_blocks(x, (layout.numel + kChunk - 1) / kChunk));
-  const int width = static_cast<int>(bits);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {
-    const scalar_t* in = x.const_data_ptr<scalar_t>();
-    uint8_t* out = codes.mutable_data_ptr<uint8_t>();
-    const bool aligned = is_aligned(in, 16) && is_aligned(out, 8);
-    if (stochastic) {
-      quantize_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
-          in, lower.const_data_ptr<float>(), scale.const_data_ptr<float>(), out, layout, levels,
-          width, pack, aligned, static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
-    } else {
-      quantize_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
-          in, lower.const_data_ptr<float>(), scale.const_data_ptr<float>(), out, layout, levels,
-          width, pack, aligned, 0, 0);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  launch_quantize(x, lower.const_data_ptr<float>(), scale.const_data_ptr<float>(), codes,
+                  layout, bits, stochastic, seed, offset, pack);
   return codes;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
+    const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
+    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
+    int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
+    int64_t seed, int64_t offset, bool pack) {
+  constexpr const char* op = "mmseg_mesa::observe_quantize";
+  const GroupLayout layout =
+      check_observe_quantize_args(op, x, lower, span, seen, mean, rstd, group_dim, group_size,
+                                  decay, bits, pack, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+  // Rows: the lower and scale returned with the codes, then (standardized) the lower and scale
+  // the codes are made with.
+  const int64_t groups = layout.groups;
+  const at::Tensor affines = at::empty({mean.has_value() ? 4 : 2, groups}, lower.options());
+  at::Tensor codes = at::empty(quantized_shape(x, bits, pack), x.options().dtype(at::kByte));
+  float* used = affines.mutable_data_ptr<float>();
+  float* coding = used + (mean.has_value() ? 2 * groups : 0);
+  if (groups > 0) {
+    // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to fp32.
+    const PackFinish finish{lower.mutable_data_ptr<float>(), span.mutable_data_ptr<float>(),
+                            seen.mutable_data_ptr<bool>(),
+                            mean.has_value() ? mean->const_data_ptr<float>() : nullptr,
+                            rstd.has_value() ? rstd->const_data_ptr<float>() : nullptr,
+                            static_cast<float>(decay), static_cast<float>(1.0 - decay),
+                            static_cast<float>((1 << bits) - 1), used, used + groups, coding,
+                            coding + groups};
+    launch_group_range(op, x, layout, finish);
+  }
+  if (layout.numel > 0) {
+    launch_quantize(x, coding, coding + groups, codes, layout, bits, stochastic, seed,
+                    offset, pack);
+  }
+  return {codes, affines.select(0, 0), affines.select(0, 1)};
 }
 
 at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,

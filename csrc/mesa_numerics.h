@@ -192,6 +192,37 @@ MESA_HD float scale_of_span(float span, float levels) {
   return span > 0.0f ? div_rn(span, levels) : 1.0f;
 }
 
+// observe_quantize's step per group once the batch's range [lo, hi] is known: the EMA of the
+// range (of the standardized values (v - mean) * rstd where `standardized`), the affine that
+// decodes the codes (`used_*`, quantizer.pack / pack_standardized) and the one x is coded with
+// (`x_*`: the used one mapped back to x's units; rstd > 0 keeps the map monotone).
+struct GroupAffine {
+  float used_lower;
+  float used_scale;
+  float x_lower;
+  float x_scale;
+};
+
+MESA_HD GroupAffine pack_group_range(float lo, float hi, bool standardized, float mean,
+                                     float rstd, float decay, float keep_new, float levels,
+                                     float& lower, float& span, bool& seen) {
+  if (standardized) {
+    lo = mul_rn(sub_rn(lo, mean), rstd);
+    hi = mul_rn(sub_rn(hi, mean), rstd);
+  }
+  GroupAffine affine;
+  float cover_span;
+  ema_group_update(lo, hi, decay, keep_new, lower, span, seen, affine.used_lower, cover_span);
+  affine.used_scale = scale_of_span(cover_span, levels);
+  affine.x_lower = affine.used_lower;
+  affine.x_scale = affine.used_scale;
+  if (standardized) {
+    affine.x_lower = add_rn(mean, div_rn(affine.used_lower, rstd));
+    affine.x_scale = scale_of_span(div_rn(cover_span, rstd), levels);
+  }
+  return affine;
+}
+
 // ---------------------------------------------------------------- stochastic rounding stream
 
 // Philox4x32-10 (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", SC11): a

@@ -46,6 +46,11 @@ at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& lower, const at:
 at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
                            const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
                            int64_t group_dim, int64_t group_size, at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
+    const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
+    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
+    int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
+    int64_t seed, int64_t offset, bool pack);
 const char* compiled_cuda_archs();
 int compiled_cuda_version();
 #endif
@@ -59,8 +64,7 @@ int compiled_cuda_version();
 // observe_quantize: observe, then quantize over the range it returns, in one call; returns the
 // codes and the lower and scale that decode them. With mean and rstd (one per group) the range
 // is observed in (x - mean) * rstd, and the codes and their lower / scale are those of that
-// standardized tensor (quantizer.pack_standardized). CPU only: elsewhere kernels.py runs
-// observe and quantize in turn.
+// standardized tensor (quantizer.pack_standardized). On CUDA: a memset and two kernels.
 // pack_mask / unpack_mask: a bool tensor as 1 bit per element (bitpack.py's layout); CPU only.
 // pack_positive: pack_mask(x > 0) in one pass; mask_select: values where the packed mask's bit is
 // set, else +0 (ReLU's forward and backward); CPU only.
@@ -100,6 +104,7 @@ TORCH_LIBRARY_IMPL(mmseg_mesa, CUDA, m) {
   m.impl("observe", &mmseg_mesa::observe_cuda);
   m.impl("quantize", &mmseg_mesa::quantize_cuda);
   m.impl("dequantize", &mmseg_mesa::dequantize_cuda);
+  m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cuda);
 }
 #endif
 

@@ -57,18 +57,15 @@ def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
 
     With ``mean`` and ``rstd`` (fp32, one per group, ``rstd > 0``) the range is observed in
     ``(x - mean) * rstd``, and the codes and affine are those of that standardized tensor
-    (``ActivationQuantizer.pack_standardized``); CPU only.
-    On CPU one kernel does it all: the per-call cost of the small ops in between is most of
-    what a small layer pays for Mesa. Elsewhere it is ``observe_then_quantize``.
+    (``ActivationQuantizer.pack_standardized``).
+    One op, where ``observe_then_quantize`` runs observe, four small torch ops for the scale
+    and quantize: on CPU their per-call cost is most of what a small layer pays for Mesa, on
+    CUDA each is a kernel launch (here a memset and two kernels).
     """
-    if not x.is_cpu:
-        if mean is not None or rstd is not None:
-            raise ValueError(f'observe_quantize: mean and rstd need CPU tensors, got {x.device}')
-        return observe_then_quantize(x, lower, span, seen, group_dim, group_size, decay, bits,
-                                     stochastic, pack, counter)
     seed = offset = 0
     if stochastic:  # 'cpu', not x.device: a device object costs a few us per call
-        seed, offset = counter if counter is not None else rounding_counter('cpu', x.numel())
+        device = 'cpu' if x.is_cpu else x.device
+        seed, offset = counter if counter is not None else rounding_counter(device, x.numel())
     return _ops.observe_quantize(x, lower, span, seen, mean, rstd, group_dim, group_size, decay,
                                  bits, stochastic, _int64(seed), _int64(offset), pack)
 
@@ -78,7 +75,8 @@ def observe_then_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tens
                           bits: int, stochastic: bool, pack: bool = False,
                           counter: tuple[int, int] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``observe_quantize`` as two kernel calls and the scale in between (any device)."""
+    """``observe_quantize`` as two kernel calls and the scale in between (any device): what the
+    one op is held to."""
     return _observe_then_quantize(observe, quantize, x, lower, span, seen, group_dim,
                                   group_size, decay, bits, stochastic, pack, counter)
 
@@ -183,11 +181,9 @@ class CpuKernels:
 
 
 class CudaKernels:
-    """The compiled kernels for CUDA tensors: observe, quantize and dequantize, one kernel each.
-
-    ``observe_quantize`` runs ``observe`` and ``quantize`` in turn; standardized values are
-    observed by the reference (``reference.observe_then_quantize``) and quantized here. Masks
-    run the reference's torch ops: there are no CUDA mask kernels.
+    """The compiled kernels for CUDA tensors: observe (a memset and one kernel), quantize and
+    dequantize (one kernel each), and observe_quantize (a memset and two kernels, standardized
+    values included). Masks run the reference's torch ops: there are no CUDA mask kernels.
     """
 
     name = 'cuda kernels'
@@ -207,16 +203,7 @@ class CudaKernels:
     quantize = staticmethod(quantize)
     dequantize = staticmethod(dequantize)
 
-    @staticmethod
-    def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
-                         seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
-                         bits: int, stochastic: bool, pack: bool = False,
-                         counter: tuple[int, int] | None = None,
-                         mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _observe_then_quantize(observe, quantize, x, lower, span, seen, group_dim,
-                                      group_size, decay, bits, stochastic, pack, counter, mean,
-                                      rstd)
+    observe_quantize = staticmethod(observe_quantize)
 
     pack_mask = staticmethod(REFERENCE.pack_mask)
     unpack_mask = staticmethod(REFERENCE.unpack_mask)

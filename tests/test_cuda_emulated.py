@@ -9,6 +9,7 @@ sequential consistency; tests/test_extension.py runs the real kernels where a GP
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -149,7 +150,9 @@ def test_emulated_kernels_match_cpu_and_reference(emu, cpu, shape, group_dim, gr
     emu.configure(*machine)
     dim = group_dim % len(shape)
     groups = -(-shape[dim] // group_size)
-    dtypes = DTYPES if machine == MACHINES[0] or len(shape) < 3 else DTYPES[::3]
+    # Every dtype on one machine; on the others (and for the largest layouts) fewer.
+    large = math.prod(shape) > 20000
+    dtypes = (DTYPES[:2] if large else DTYPES) if machine == MACHINES[0] else DTYPES[::3]
 
     for dtype in dtypes:
         def x_of_step(step, dtype=dtype):
@@ -163,6 +166,41 @@ def test_emulated_kernels_match_cpu_and_reference(emu, cpu, shape, group_dim, gr
             if step > 0:  # the range of step 0 leaves a group unseen; later steps see NaN, inf
                 widths = BITS if step == 2 or x.numel() < 20000 else (8,)
                 assert_codes_agree(emu, cpu, x, lower, span, dim, group_size, widths)
+
+
+PACKS = [(8, True, False), (8, False, False), (4, True, True), (2, False, True),
+         (1, True, True)]  # bits, stochastic, pack
+
+
+@pytest.mark.parametrize('standardized', [False, True])
+@pytest.mark.parametrize('machine', MACHINES[::2], ids=lambda m: f'{m[0]}sm-{m[1]}w')
+@pytest.mark.parametrize('shape, group_dim, group_size', LAYOUTS[:8] + LAYOUTS[-2:])
+def test_emulated_observe_quantize_matches_cpu(emu, cpu, shape, group_dim, group_size, machine,
+                                                standardized):
+    """A pack in one op (memset, range + EMA + affines, quantize): codes, affine and estimates
+    equal the CPU op's, standardized (``pack_standardized``) or not."""
+    emu.configure(*machine)
+    dim = group_dim % len(shape)
+    groups = -(-shape[dim] // group_size)
+    generator = torch.Generator().manual_seed(groups)
+    mean = rstd = None
+    if standardized:
+        mean = torch.randn(groups, generator=generator)
+        rstd = torch.rand(groups, generator=generator) * 3 + 0.01
+    large = math.prod(shape) > 20000
+    for dtype in (DTYPES[:1 + 3 * (not large)] if machine == MACHINES[0] else DTYPES[:1]):
+        for bits, stochastic, pack in PACKS[:2 + 3 * (not large)]:
+            states = {name: fresh_state(groups) for name in ('emu', 'cpu')}
+            for step in range(3):
+                x = sample(shape, dtype, step)
+                if step == 0 and groups > 1:
+                    x.narrow(dim, 0, min(group_size, shape[dim])).fill_(float('nan'))
+                args = (mean, rstd, dim, group_size, 0.9, bits, stochastic, _int64(2 ** 64 - 3),
+                        1000 * step, pack)
+                got = emu.observe_quantize(x, *states['emu'], *args)
+                want = cpu.observe_quantize(x, *states['cpu'], *args)
+                for a, b in zip(got + tuple(states['emu']), want + tuple(states['cpu'])):
+                    assert torch.equal(a, b), (dtype, bits, stochastic, pack, step)
 
 
 @pytest.mark.parametrize('dtype', DTYPES)
@@ -199,6 +237,12 @@ def test_empty_tensors(emu, cpu, shape):
             out = emu.dequantize(codes, lower, span, bits, list(shape), 1, 4, torch.float16)
             assert out.shape == shape and out.dtype == torch.float16
     assert emu.launch_log() == []  # nothing to do launches nothing
+    states = {name: [lower.clone(), span.clone(), seen.clone()] for name in ('emu', 'cpu')}
+    args = (None, None, 1, 4, 0.9, 8, True, 1, 2, False)
+    got = emu.observe_quantize(x, *states['emu'], *args)
+    want = cpu.observe_quantize(x, *states['cpu'], *args)
+    for a, b in zip(got + tuple(states['emu']), want + tuple(states['cpu'])):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16, torch.float64])
@@ -259,11 +303,11 @@ def test_every_kernel_and_host_entry_point_runs(emu):
     for stochastic in (False, True):
         codes = emu.quantize(x, state[0], scale, 2, 1, 8, stochastic, 1, 2, True)
     emu.dequantize(codes, state[0], scale, 2, [4, 37], 1, 8, torch.float32)
+    emu.observe_quantize(x, *state, None, None, 1, 8, 0.9, 8, True, 1, 2, False)
     assert set(launched(emu.launch_log())) >= kernel_names()
     assert emu.poison_reads() == 0
-    entry_points = set(re.findall(r'^at::Tensor (\w+)_cuda\(', emu_build.KERNELS.read_text(),
-                                  re.M))
-    assert entry_points == {'observe', 'quantize', 'dequantize'}
+    entry_points = set(re.findall(r'^\S.* (\w+)_cuda\(', emu_build.KERNELS.read_text(), re.M))
+    assert entry_points == {'observe', 'quantize', 'dequantize', 'observe_quantize'}
     assert all(hasattr(emu, name) for name in entry_points)
     assert 'cuda_version=' in emu.build_facts()
 
@@ -271,6 +315,7 @@ def test_every_kernel_and_host_entry_point_runs(emu):
 # The kernels a call launches, and the device operations beside them (docs/benchmarks.md).
 LAUNCHES = {
     'observe': ['memset', 'group_min_max_kernel'],
+    'observe_quantize': ['memset', 'group_min_max_kernel', 'quantize_kernel'],
     'quantize': ['quantize_kernel'],
     'dequantize': ['dequantize_kernel'],
 }
@@ -285,6 +330,8 @@ def test_launches_per_op(emu, shape, group_dim, group_size):
         'observe': lambda: emu.observe(x, *state, group_dim, group_size, 0.9),
         'quantize': lambda: emu.quantize(x, state[0], scale_from_span(state[1], 8), 8,
                                          group_dim, group_size, True, 1, 2, False),
+        'observe_quantize': lambda: emu.observe_quantize(x, *state, None, None, group_dim,
+                                                         group_size, 0.9, 8, True, 1, 2, False),
         'dequantize': lambda: emu.dequantize(torch.zeros(shape, dtype=torch.uint8), state[0],
                                              state[1], 8, list(shape), group_dim, group_size,
                                              torch.float32),

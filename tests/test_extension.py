@@ -333,22 +333,23 @@ def test_kernels_match_reference_across_threads(shape, group_dim, device):
     check_codes(k, x, ref[0], scale, 8, dim, 1, False, None)
 
 
-@requires_build
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('shape, group_dim, group_size', LAYOUTS + [((0, 8), 1, 4)])
-def test_fused_observe_quantize_matches_its_two_kernels(shape, group_dim, group_size, dtype):
-    """The CPU kernel that observes and quantizes in one call (every ``pack`` on CPU) gives
-    the codes, affine and running estimates of ``observe`` then ``quantize`` (the path other
-    devices run), both roundings, every width, packed or not."""
+def test_fused_observe_quantize_matches_its_two_kernels(shape, group_dim, group_size, dtype,
+                                                       device):
+    """The op that observes and quantizes in one call (every ``pack``) gives the codes, affine
+    and running estimates of ``observe`` then ``quantize``, both roundings, every width, packed
+    or not."""
     k = kernels()
     dim = group_dim % len(shape)
     groups = -(-shape[dim] // group_size)
     for bits, stochastic, pack in [(8, True, True), (8, False, False), (4, True, True),
                                    (2, False, True), (1, True, False), (2, True, False)]:
-        states = [[torch.zeros(groups), torch.zeros(groups), torch.zeros(groups, dtype=torch.bool)]
-                  for _ in range(2)]
+        states = [[torch.zeros(groups, device=device), torch.zeros(groups, device=device),
+                   torch.zeros(groups, dtype=torch.bool, device=device)] for _ in range(2)]
         for step in range(3):
-            x = sample(shape, dtype, 'cpu', offset=step, nonfinite=step > 0)
+            x = sample(shape, dtype, device, offset=step, nonfinite=step > 0)
             if step == 0 and groups > 1:  # a group with no finite value stays unseen
                 x.narrow(dim, 0, min(group_size, shape[dim])).fill_(float('nan'))
             counter = (0x0123_4567_89AB_CDEF + step, 2 ** 32 - 7 + 1000 * step)
@@ -361,18 +362,18 @@ def test_fused_observe_quantize_matches_its_two_kernels(shape, group_dim, group_
                 assert torch.equal(got, want), (bits, stochastic, pack, step)
 
 
-@requires_build
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('stochastic', [False, True])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float64])
-def test_fused_standardized_pack_matches_the_torch_path(dtype, stochastic):
-    """``pack_standardized`` on CPU (one kernel call: the range observed in the normalized
+def test_fused_standardized_pack_matches_the_torch_path(dtype, stochastic, device):
+    """``pack_standardized`` through the kernels (one op: the range observed in the normalized
     values, x coded over it mapped back) == its torch path, codes, affine and estimates."""
     shape = (4, 6, 5, 7)
     quantizers = {name: ActivationQuantizer(QuantSpec(group_dim=1, stochastic=stochastic,
-                                                      backend=name))
+                                                      backend=name)).to(device)
                   for name in ('auto', 'torch')}
     for step in range(3):
-        x = sample(shape, dtype, 'cpu', offset=step, nonfinite=step == 2)
+        x = sample(shape, dtype, device, offset=step, nonfinite=step == 2)
         x[:, 2] = 0.5  # a constant channel: zero span
         finite = torch.where(x.isfinite(), x, 0).float()
         mean = finite.mean((0, 2, 3), keepdim=True)
@@ -636,15 +637,11 @@ def test_invalid_arguments_are_rejected_clearly(device):
     state = (lower.clone(), scale.clone(), torch.zeros(2, dtype=torch.bool, device=device))
     with pytest.raises(RuntimeError, match='bits must be in'):
         k.observe_quantize(x, *state, 1, 8, 0.9, 0, False)
-    if device == 'cpu':
-        with pytest.raises(RuntimeError, match='mean and rstd are given together'):
-            k.observe_quantize(x, *state, 1, 8, 0.9, 8, False, mean=lower)
-        with pytest.raises(RuntimeError, match=r'rstd must have shape \(2,\)'):
-            k.observe_quantize(x, *state, 1, 8, 0.9, 8, False, mean=lower,
-                               rstd=torch.ones(3))
-    else:
-        with pytest.raises(ValueError, match='mean and rstd need CPU tensors'):
-            k.observe_quantize(x, *state, 1, 8, 0.9, 8, False, mean=lower, rstd=scale)
+    with pytest.raises(RuntimeError, match='mean and rstd are given together'):
+        k.observe_quantize(x, *state, 1, 8, 0.9, 8, False, mean=lower)
+    with pytest.raises(RuntimeError, match=r'rstd must have shape \(2,\)'):
+        k.observe_quantize(x, *state, 1, 8, 0.9, 8, False, mean=lower,
+                           rstd=torch.ones(3, device=device))
 
 
 @pytest.mark.parametrize('device', DEVICES)

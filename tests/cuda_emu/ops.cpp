@@ -3,7 +3,9 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "emu.h"
@@ -18,6 +20,11 @@ at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& lower, const at:
 at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
                            const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
                            int64_t group_dim, int64_t group_size, at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
+    const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
+    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
+    int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
+    int64_t seed, int64_t offset, bool pack);
 const char* compiled_cuda_archs();
 int compiled_cuda_version();
 }  // namespace mmseg_mesa
@@ -63,6 +70,10 @@ TORCH_LIBRARY(mesa_emu, m) {
   m.def(
       "dequantize(Tensor codes, Tensor lower, Tensor scale, int bits, int[] shape, "
       "int group_dim, int group_size, ScalarType dtype) -> Tensor");
+  m.def(
+      "observe_quantize(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, "
+      "Tensor? mean, Tensor? rstd, int group_dim, int group_size, float decay, int bits, "
+      "bool stochastic, int seed, int offset, bool pack) -> (Tensor, Tensor, Tensor)");
   m.def("faulty(str name, Tensor x) -> Tensor");
   m.def("configure(int multiprocessors, int workers) -> ()", &configure);
   m.def("launch_log() -> str[]", &launch_log);
@@ -75,5 +86,6 @@ TORCH_LIBRARY_IMPL(mesa_emu, CPU, m) {
   m.impl("observe", &mmseg_mesa::observe_cuda);
   m.impl("quantize", &mmseg_mesa::quantize_cuda);
   m.impl("dequantize", &mmseg_mesa::dequantize_cuda);
+  m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cuda);
   m.impl("faulty", &mesa_emu_faults::run_faulty);
 }
