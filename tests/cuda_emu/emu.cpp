@@ -84,7 +84,7 @@ class BlockRunner {
     for (size_t t = 0; t < count; ++t) {
       Fiber& f = fibers_[t];
       if (!f.stack) {
-        f.stack = std::make_unique<char[]>(kStackBytes);
+        f.stack.reset(new char[kStackBytes]);  // not zeroed: a thread's stack starts undefined
       }
       f.index = {static_cast<unsigned>(t % block_dim.x),
                  static_cast<unsigned>(t / block_dim.x % block_dim.y),
@@ -284,9 +284,14 @@ class BlockRunner {
 
 thread_local BlockRunner* BlockRunner::active = nullptr;
 
-BlockRunner& runner_of_this_thread() {
-  thread_local BlockRunner runner;
-  return runner;
+// One runner (fibers and their stacks) per worker slot, kept across launches: launches run one
+// at a time, and worker w of every launch uses runner w.
+BlockRunner& runner_for_worker(size_t worker) {
+  static std::vector<std::unique_ptr<BlockRunner>> runners;
+  while (runners.size() <= worker) {
+    runners.push_back(std::make_unique<BlockRunner>());
+  }
+  return *runners[worker];
 }
 
 }  // namespace
@@ -334,8 +339,13 @@ void run_grid(const char* name, const LaunchConfig& cfg, const std::function<voi
   std::mutex error_mutex;
   std::string error;
   std::atomic<bool> failed{false};
-  auto work = [&] {
-    BlockRunner& runner = runner_of_this_thread();
+  const int workers = static_cast<int>(
+      std::min<uint64_t>(blocks, static_cast<uint64_t>(std::max(1, settings().workers))));
+  for (int w = 0; w < workers; ++w) {
+    runner_for_worker(static_cast<size_t>(w));  // created here, not in the racing workers
+  }
+  auto work = [&](size_t worker) {
+    BlockRunner& runner = runner_for_worker(worker);
     for (uint64_t i = next.fetch_add(1); i < blocks && !failed.load(); i = next.fetch_add(1)) {
       const uint3 block{static_cast<unsigned>(i % g.x), static_cast<unsigned>(i / g.x % g.y),
                         static_cast<unsigned>(i / (uint64_t{g.x} * g.y))};
@@ -349,13 +359,11 @@ void run_grid(const char* name, const LaunchConfig& cfg, const std::function<voi
       }
     }
   };
-  const int workers = static_cast<int>(
-      std::min<uint64_t>(blocks, static_cast<uint64_t>(std::max(1, settings().workers))));
   std::vector<std::thread> pool;
   for (int w = 1; w < workers; ++w) {
-    pool.emplace_back(work);
+    pool.emplace_back(work, static_cast<size_t>(w));
   }
-  work();
+  work(0);
   for (std::thread& t : pool) {
     t.join();
   }
