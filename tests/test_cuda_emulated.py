@@ -20,7 +20,7 @@ import pytest
 import torch
 from cuda_emu import build as emu_build
 
-from mmseg_mesa import _backend
+from mmseg_mesa import _backend, kernels, selfcheck
 from mmseg_mesa.bitpack import pack_bits
 from mmseg_mesa.quantizer import Packed, QuantSpec, ema_update, group_min_max, scale_from_span
 from mmseg_mesa.reference import (
@@ -279,6 +279,18 @@ def test_invalid_arguments_are_refused_as_on_cpu(emu, cpu):
         for ops in (emu, cpu):
             with pytest.raises(RuntimeError, match=message):
                 getattr(ops, op)(*args)
+
+
+def test_first_use_check_passes_on_the_emulated_cuda_backend(emu, monkeypatch):
+    """``selfcheck`` (``info --check``, ``MesaHook`` on a GPU) over the CUDA backend's Python
+    wrappers and the CUDA host code and kernels, every op agreeing with the reference."""
+    monkeypatch.setattr(kernels, '_ops', emu)
+    emu.configure(4, 2)
+    emu.clear_launch_log()
+    checks = selfcheck.check_backend(kernels.CUDA, torch.device('cpu'))
+    assert [check.op for check in checks] == list(selfcheck.OPS)
+    assert all(check.ok for check in checks), [check for check in checks if not check.ok]
+    assert set(launched(emu.launch_log())) >= kernel_names()
 
 
 # ---------------------------------------------------------------- launches
