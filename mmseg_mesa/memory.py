@@ -114,7 +114,10 @@ def count_saved_tensors(model: nn.Module | None = None) -> Iterator[SavedTensorR
                 report.by_type[name] += nbytes
                 report.by_module[qualified] += nbytes
                 report.storages[key] = (qualified, nbytes)
-        return t
+        # A detached alias (same storage): a saved output packed as itself holds its own grad_fn,
+        # a cycle through C++ that Python's collector cannot free, so a graph never run
+        # backward (split_saved's) would keep its model's Parameters alive.
+        return t.detach()
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
