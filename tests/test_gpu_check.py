@@ -134,13 +134,10 @@ def test_work_folder_inside_out_is_refused(tmp_path):
     assert proc.returncode == 2 and '--work must not be inside --out' in proc.stderr
 
 
-def test_machine_limits_are_options_with_workstation_defaults(tmp_path, monkeypatch):
+def test_machine_limits_are_options_with_workstation_defaults(tmp_path):
     """Time, file size, CUDA architectures and build jobs are options; by default a run gets 30
     minutes, no file limit, torch's choice of architectures (the visible GPUs') and every core."""
-    import runpy
-    monkeypatch.syspath_prepend(osp.join(ROOT, 'tools'))  # its package, as when run as a script
-    parse_args = runpy.run_path(osp.join(ROOT, 'tools', 'gpu_check.py'),
-                                run_name='gpu_check_options')['parse_args']
+    from tools.gpu_check.cli import parse_args
     default = parse_args(['--out', str(tmp_path / 'out')])
     assert (default.budget, default.file_limit_mib, default.cuda_arch) == (1800.0, None, None)
     assert default.build_jobs == (os.cpu_count() or 1)
@@ -154,8 +151,7 @@ def test_layer_tests_draw_from_cpu_generators_on_the_default_device():
     """The CUDA-default step runs the layer tests with a GPU as torch's default device, where
     ``torch.randn(..., generator=cpu_generator)`` raises: every draw from a generator there names
     its device (``conftest.drawn``), or the GPU run fails on test code, not on Mesa."""
-    sys.path.insert(0, osp.join(ROOT, 'tools'))
-    from gpu_check.settings import LAYER_TESTS
+    from tools.gpu_check.settings import LAYER_TESTS
     files = [*LAYER_TESTS, 'tests/layer_cases.py']
     bare = []
     for name in files:

@@ -1,5 +1,6 @@
 """The pieces of ``tools/gpu_check.py``, the GPU run in one command (its docstring says what runs).
 
+- ``cli``: the options and the entry point.
 - ``settings``: everything specific to the lent machine and the device tool (paths, versions,
   limits, cores, timeouts) and the sizes of the GPU run and of the CPU dry run.
 - ``runner``: child processes, the log and summary.json, the time budget.
