@@ -41,12 +41,17 @@ env: $(VENV)/.stamp-pkg
 lint: env
 	$(VENV)/bin/ruff check mmseg_mesa tools tests configs setup.py
 
+# pytest-xdist runs the tests on every core (PYTEST_WORKERS=0: in this process); each file's tests
+# stay on one worker, so its module fixtures (the GPU check's dry run, the wheel build) run once.
+PYTEST_WORKERS ?= auto
+PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
+
 test: env lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests
+	$(PYTEST) tests
 
 # The quick tier: every test but those marked slow (subprocesses, end-to-end runs, whole models).
 test-quick: env lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # The main job: train the demo model with and without Mesa and compare memory and accuracy.
 demo: env

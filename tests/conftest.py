@@ -1,4 +1,5 @@
 import math
+import os
 
 import pytest
 import torch
@@ -11,6 +12,20 @@ def pytest_configure(config):
     of an install from a copy of tests/ alone."""
     if not any(line.split(':')[0].strip() == 'slow' for line in config.getini('markers')):
         config.addinivalue_line('markers', SLOW)
+    share_cores_among_workers()
+
+
+def share_cores_among_workers() -> None:
+    """Under pytest-xdist, each worker takes its share of the cores (or fewer threads, where
+    ``OMP_NUM_THREADS`` asks), for torch and for the tools its tests start: two workers of two
+    threads each on two cores ran the zoo tests twice as slowly as one process running them in
+    turn, and two workers of one thread each faster than that process."""
+    workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '0'))
+    if workers > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        threads = min(threads, int(os.environ.get('OMP_NUM_THREADS') or threads))
+        os.environ['OMP_NUM_THREADS'] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
