@@ -28,6 +28,16 @@ def share_cores_among_workers() -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def two_threads():
+    """At least two intra-op threads for the test, whatever the worker's share of the cores
+    (``share_cores_among_workers``): a test of the CPU kernels' split over threads needs them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield
+    torch.set_num_threads(before)
+
+
 def sqnr_db(reference: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of ``test`` against ``reference``, in dB."""
     reference = reference.double()

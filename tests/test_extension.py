@@ -316,7 +316,7 @@ def test_kernels_match_reference(shape, group_dim, group_size, dtype, device):
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('shape, group_dim', [((4, 64, 28, 28), 1), ((4, 784, 96), -1)])
-def test_kernels_match_reference_across_threads(shape, group_dim, device):
+def test_kernels_match_reference_across_threads(shape, group_dim, device, two_threads):
     """Large enough for several threads' shares; odd offsets at a block boundary."""
     k = kernels()
     x = sample(shape, torch.float32, device, nonfinite=True)
