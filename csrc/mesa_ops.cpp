@@ -1,6 +1,6 @@
-// Registers the torch ops torch.ops.mmseg_mesa.{observe, quantize, dequantize} with their CPU
-// kernels (mesa_cpu.cpp) and, in a CUDA build (MMSEG_MESA_WITH_CUDA), their CUDA kernels
-// (mesa_kernels.cu), and the CPU-only ops observe_quantize and the mask ops. Makes
+// Registers the torch ops torch.ops.mmseg_mesa.{observe, quantize, dequantize, observe_quantize}
+// with their CPU kernels (mesa_cpu.cpp) and, in a CUDA build (MMSEG_MESA_WITH_CUDA), their CUDA
+// kernels (mesa_kernels.cu), and the CPU-only mask ops. Makes
 // this library importable as the Python module mmseg_mesa._C (no pybind11: the ops are reached
 // through the dispatcher, so the module only carries build facts for mmseg_mesa._backend to
 // check).
@@ -10,52 +10,7 @@
 #include <torch/headeronly/version.h>
 #include <torch/library.h>
 
-#include <optional>
-#include <tuple>
-
-namespace mmseg_mesa {
-
-at::Tensor observe_cpu(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span,
-                       const at::Tensor& seen, int64_t group_dim, int64_t group_size,
-                       double decay);
-at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& scale,
-                        int64_t bits, int64_t group_dim, int64_t group_size, bool stochastic,
-                        int64_t seed, int64_t offset, bool pack);
-at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
-                          const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
-                          int64_t group_dim, int64_t group_size, at::ScalarType dtype);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
-    const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
-    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
-    int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
-    int64_t seed, int64_t offset, bool pack);
-at::Tensor pack_mask_cpu(const at::Tensor& mask);
-at::Tensor unpack_mask_cpu(const at::Tensor& bytes, at::IntArrayRef shape);
-at::Tensor pack_positive_cpu(const at::Tensor& x);
-at::Tensor mask_select_cpu(const at::Tensor& values, const at::Tensor& bytes);
-// Whether the CPU kernels' at::parallel_for uses torch's threads (OpenMP builds need -fopenmp).
-bool cpu_kernels_parallel();
-
-#ifdef MMSEG_MESA_WITH_CUDA
-at::Tensor observe_cuda(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span,
-                        const at::Tensor& seen, int64_t group_dim, int64_t group_size,
-                        double decay);
-at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& scale,
-                         int64_t bits, int64_t group_dim, int64_t group_size, bool stochastic,
-                         int64_t seed, int64_t offset, bool pack);
-at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
-                           const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
-                           int64_t group_dim, int64_t group_size, at::ScalarType dtype);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
-    const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
-    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
-    int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
-    int64_t seed, int64_t offset, bool pack);
-const char* compiled_cuda_archs();
-int compiled_cuda_version();
-#endif
-
-}  // namespace mmseg_mesa
+#include "mesa_ops.h"
 
 // quantize: one code per element shaped like x, or with `pack` (and bits < 8) the flat bytes of
 // bitpack.py's layout. Stochastic rounding draws Philox4x32-10 keyed by `seed` at counters
@@ -69,19 +24,10 @@ int compiled_cuda_version();
 // pack_positive: pack_mask(x > 0) in one pass; mask_select: values where the packed mask's bit is
 // set, else +0 (ReLU's forward and backward); CPU only.
 TORCH_LIBRARY(mmseg_mesa, m) {
-  m.def(
-      "observe(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, int group_dim, "
-      "int group_size, float decay) -> Tensor");
-  m.def(
-      "quantize(Tensor x, Tensor lower, Tensor scale, int bits, int group_dim, int group_size, "
-      "bool stochastic, int seed, int offset, bool pack) -> Tensor");
-  m.def(
-      "dequantize(Tensor codes, Tensor lower, Tensor scale, int bits, int[] shape, "
-      "int group_dim, int group_size, ScalarType dtype) -> Tensor");
-  m.def(
-      "observe_quantize(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, "
-      "Tensor? mean, Tensor? rstd, int group_dim, int group_size, float decay, int bits, "
-      "bool stochastic, int seed, int offset, bool pack) -> (Tensor, Tensor, Tensor)");
+  m.def(mmseg_mesa::schema::kObserve);
+  m.def(mmseg_mesa::schema::kQuantize);
+  m.def(mmseg_mesa::schema::kDequantize);
+  m.def(mmseg_mesa::schema::kObserveQuantize);
   m.def("pack_mask(Tensor mask) -> Tensor");
   m.def("unpack_mask(Tensor bytes, int[] shape) -> Tensor");
   m.def("pack_positive(Tensor x) -> Tensor");

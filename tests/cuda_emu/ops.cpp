@@ -3,31 +3,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "emu.h"
-
-namespace mmseg_mesa {
-at::Tensor observe_cuda(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span,
-                        const at::Tensor& seen, int64_t group_dim, int64_t group_size,
-                        double decay);
-at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& lower, const at::Tensor& scale,
-                         int64_t bits, int64_t group_dim, int64_t group_size, bool stochastic,
-                         int64_t seed, int64_t offset, bool pack);
-at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
-                           const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
-                           int64_t group_dim, int64_t group_size, at::ScalarType dtype);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
-    const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
-    const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
-    int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
-    int64_t seed, int64_t offset, bool pack);
-const char* compiled_cuda_archs();
-int compiled_cuda_version();
-}  // namespace mmseg_mesa
+#include "mesa_ops.h"
 
 namespace mesa_emu_faults {
 at::Tensor run_faulty(const std::string& name, const at::Tensor& in);
@@ -61,19 +41,10 @@ std::string build_facts() {
 }  // namespace
 
 TORCH_LIBRARY(mesa_emu, m) {
-  m.def(
-      "observe(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, int group_dim, "
-      "int group_size, float decay) -> Tensor");
-  m.def(
-      "quantize(Tensor x, Tensor lower, Tensor scale, int bits, int group_dim, int group_size, "
-      "bool stochastic, int seed, int offset, bool pack) -> Tensor");
-  m.def(
-      "dequantize(Tensor codes, Tensor lower, Tensor scale, int bits, int[] shape, "
-      "int group_dim, int group_size, ScalarType dtype) -> Tensor");
-  m.def(
-      "observe_quantize(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, "
-      "Tensor? mean, Tensor? rstd, int group_dim, int group_size, float decay, int bits, "
-      "bool stochastic, int seed, int offset, bool pack) -> (Tensor, Tensor, Tensor)");
+  m.def(mmseg_mesa::schema::kObserve);
+  m.def(mmseg_mesa::schema::kQuantize);
+  m.def(mmseg_mesa::schema::kDequantize);
+  m.def(mmseg_mesa::schema::kObserveQuantize);
   m.def("faulty(str name, Tensor x) -> Tensor");
   m.def("configure(int multiprocessors, int workers) -> ()", &configure);
   m.def("launch_log() -> str[]", &launch_log);
