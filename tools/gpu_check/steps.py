@@ -75,19 +75,24 @@ def step_build_ext(check: Check) -> None:
     if not check.begin(name):
         return
     if check.dry:
-        rc, seconds, proc = check.run(name, [check.python, '-m', 'mmseg_mesa.info'], 60)
+        rc, seconds, proc = check.run(name, [check.python, '-m', 'mmseg_mesa.info', '--check'],
+                                      120)
         check.finish(name, 'skipped', 'dry run: no rebuild in the shared .venv',
-                     info=proc.text.splitlines()[-8:])
+                     info=proc.text.splitlines()[-30:])
         return
     rc, seconds, proc = check.run(name, [
         check.python, '-m', 'pip', 'install', '--no-build-isolation', '--no-deps', '--no-index',
         '-v', '-e', '.'], check.timeout_for('build_ext'),
         FORCE_CUDA='1', MAX_JOBS=str(check.args.build_jobs),
         **({'TORCH_CUDA_ARCH_LIST': check.args.cuda_arch} if check.args.cuda_arch else {}))
-    info_rc, _, info = check.run('info', [check.python, '-m', 'mmseg_mesa.info'], 60)
-    loadable = info_rc == 0 and 'built and loadable' in info.text
-    check.outcome(name, rc, seconds, proc, ok=loadable, info=info.text.splitlines()[-8:],
-                  note='' if loadable else 'mmseg_mesa.info does not report a loadable _C')
+    # --check: every op of the kernels against the reference on the CPU and the GPU (MesaHook's
+    # first-use check), pass or FAIL per op; it exits 1 on a disagreement
+    info_rc, _, info = check.run('info', [check.python, '-m', 'mmseg_mesa.info', '--check'], 120)
+    loadable = 'built and loadable' in info.text
+    note = ('' if loadable else 'mmseg_mesa.info does not report a loadable _C; ') + (
+        '' if info_rc == 0 else 'info --check: some op disagrees with the reference')
+    check.outcome(name, rc, seconds, proc, ok=loadable and info_rc == 0,
+                  info=info.text.splitlines()[-30:], note=note.strip('; '))
 
 
 def step_tests(check: Check, name: str, files: tuple[str, ...], default_device: str | None
