@@ -409,13 +409,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
       check_observe_quantize_args(op, x, lower, span, seen, mean, rstd, group_dim, group_size,
                                   decay, bits, pack, c10::DeviceType::CUDA);
   const c10::cuda::CUDAGuard guard(x.device());
-  // Rows: the lower and scale returned with the codes, then (standardized) the lower and scale
-  // the codes are made with.
+  // The lower and scale returned with the codes, each its own tensor as on CPU (the saved codes
+  // keep them; a view of one buffer would keep all of it), and where standardized the lower and
+  // scale the codes are made with.
   const int64_t groups = layout.groups;
-  const at::Tensor affines = at::empty({mean.has_value() ? 4 : 2, groups}, lower.options());
+  const at::Tensor used_lower = at::empty({groups}, lower.options());
+  const at::Tensor used_scale = at::empty({groups}, lower.options());
+  const at::Tensor x_affine =
+      mean.has_value() ? at::empty({2, groups}, lower.options()) : at::Tensor();
   at::Tensor codes = at::empty(quantized_shape(x, bits, pack), x.options().dtype(at::kByte));
-  float* used = affines.mutable_data_ptr<float>();
-  float* coding = used + (mean.has_value() ? 2 * groups : 0);
+  float* coding_lower = mean.has_value() ? x_affine.mutable_data_ptr<float>()
+                                         : used_lower.mutable_data_ptr<float>();
+  float* coding_scale = mean.has_value() ? coding_lower + groups
+                                         : used_scale.mutable_data_ptr<float>();
   if (groups > 0) {
     // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to fp32.
     const PackFinish finish{lower.mutable_data_ptr<float>(), span.mutable_data_ptr<float>(),
@@ -423,15 +429,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
                             mean.has_value() ? mean->const_data_ptr<float>() : nullptr,
                             rstd.has_value() ? rstd->const_data_ptr<float>() : nullptr,
                             static_cast<float>(decay), static_cast<float>(1.0 - decay),
-                            static_cast<float>((1 << bits) - 1), used, used + groups, coding,
-                            coding + groups};
+                            static_cast<float>((1 << bits) - 1),
+                            used_lower.mutable_data_ptr<float>(),
+                            used_scale.mutable_data_ptr<float>(), coding_lower, coding_scale};
     launch_group_range(op, x, layout, finish);
   }
   if (layout.numel > 0) {
-    launch_quantize(x, coding, coding + groups, codes, layout, bits, stochastic, seed,
-                    offset, pack);
+    launch_quantize(x, coding_lower, coding_scale, codes, layout, bits, stochastic, seed, offset,
+                    pack);
   }
-  return {codes, affines.select(0, 0), affines.select(0, 1)};
+  return {codes, used_lower, used_scale};
 }
 
 at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,

@@ -199,6 +199,10 @@ def test_emulated_observe_quantize_matches_cpu(emu, cpu, shape, group_dim, group
                         1000 * step, pack)
                 got = emu.observe_quantize(x, *states['emu'], *args)
                 want = cpu.observe_quantize(x, *states['cpu'], *args)
+                # laid out as the CPU op's (and the fake kernel's): three tensors of their own
+                assert [(t.stride(), t.storage_offset()) for t in got] == [
+                    (t.stride(), t.storage_offset()) for t in want]
+                assert got[1].untyped_storage().data_ptr() != got[2].untyped_storage().data_ptr()
                 for a, b in zip(got + tuple(states['emu']), want + tuple(states['cpu'])):
                     assert torch.equal(a, b), (dtype, bits, stochastic, pack, step)
 
