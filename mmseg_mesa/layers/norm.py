@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..codes import Codes
+from ..host import reads_wait
 from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_grad
 from ..registry import mesa_layer
 from ..reuse import attach_codes
@@ -228,8 +229,8 @@ def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float) -> t
     out, _, decoded_invstd = torch.native_batch_norm(
         decoded, torch.where(reliable, target.sqrt(), 1.0), None, None, None, True, 0.0,
         RESTANDARDIZE_EPS)
-    # those channels keep the codes' own spread (on a GPU without asking, which would wait for it)
-    if not decoded.is_cpu or not bool(reliable.all()):
+    # those channels keep the codes' own spread (on a device without asking, which would wait)
+    if reads_wait(decoded) or not bool(reliable.all()):
         out.mul_(torch.where(reliable, 1.0, decoded_invstd.reciprocal())
                  .view(channel_shape(decoded)))
     return out

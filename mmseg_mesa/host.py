@@ -1,0 +1,93 @@
+"""What the host may read of a device's values without waiting for the device.
+
+On a GPU the host queues kernels ahead of the device; reading a value the device computes
+(``.item()``, ``bool(t)``) makes it wait until the queue has drained. Mesa's layers make no such
+read on a device: a decision that needs a measured value takes it from a ``LateReading``, which
+the host receives without waiting, a call late. On CPU a read costs nothing, and a layer may
+branch on one where that saves work (``reads_wait`` says where not); ``device_path()`` makes the
+CPU take the device's branches, so that tests can count what a device step would read.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_DEVICE_PATH = [0]
+
+
+def reads_wait(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values on the host would wait for a device (always inside
+    ``device_path``)."""
+    return not t.is_cpu or _DEVICE_PATH[0] > 0
+
+
+@contextlib.contextmanager
+def device_path() -> Iterator[None]:
+    """Inside, the CPU takes the branches a device takes (``reads_wait`` is true)."""
+    _DEVICE_PATH[0] += 1
+    try:
+        yield
+    finally:
+        _DEVICE_PATH[0] -= 1
+
+
+class LateReading:
+    """The newest value of a scalar that a layer measures on its device at each call, as the
+    host has it without waiting.
+
+    ``update(x)`` queues a copy of ``x`` for the host (into pinned memory behind the work that
+    computes it, on a GPU) and returns the newest value that had arrived before: the previous
+    call's, on a GPU long done by then. Only the first call, with nothing received yet, reads
+    its own value (one wait for the whole run). Every device takes this path, the CPU too, so
+    that a decision made from the value is the same on all of them: a call late. ``value`` is
+    part of a run's training state (``training_state``), so that a resumed run decides as the
+    uninterrupted one would.
+    """
+
+    __slots__ = ('value', '_pending')
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+    def update(self, x: torch.Tensor) -> float:
+        """Queue ``x`` (a 0-d tensor); return the newest value received before it."""
+        self._receive()
+        if self.value is None:
+            self.value = float(x)  # the first call: nothing received yet
+        x = x.detach()
+        if x.is_cuda:
+            host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            host.copy_(x, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (host, event)
+        else:
+            self._pending = (x.clone(), None)
+        return self.value
+
+    def _receive(self) -> None:
+        """Take the queued value where it has arrived (``Event.query`` does not wait)."""
+        if self._pending is None:
+            return
+        host, event = self._pending
+        if event is None or event.query():
+            self.value = float(host.numpy())  # host memory: no dispatch, no wait
+            self._pending = None
+
+    def state(self) -> float | None:
+        """The value a resumed run starts from: the newest, received or queued (the queued
+        one read now, which waits only for it: this is checkpointing, not a step)."""
+        if self._pending is not None:
+            host, event = self._pending
+            if event is not None:
+                event.synchronize()
+            self.value = float(host.numpy())
+            self._pending = None
+        return self.value
+
+    def restore(self, value: float | None) -> None:
+        self.value = value
+        self._pending = None
