@@ -91,3 +91,12 @@ class LateReading:
     def restore(self, value: float | None) -> None:
         self.value = value
         self._pending = None
+
+    def __getstate__(self) -> tuple[float | None]:
+        # copies (deepcopy, pickle) take what has been received: an event does not copy (a
+        # tuple: a state of None would skip __setstate__)
+        self._receive()
+        return (self.value,)
+
+    def __setstate__(self, state: tuple[float | None]) -> None:
+        self.restore(state[0])

@@ -22,6 +22,7 @@ from torch import nn
 
 from ._backend import QuantBackend, select_backend
 from .codes import Codes, Mapped, Packed, QuantSpec, Refined, sample_range
+from .host import LateReading
 from .reference import ema_update, group_min_max, scale_from_span
 from .rounding import reset_rounding_generators, rounding_counter
 
@@ -111,6 +112,9 @@ class ActivationQuantizer(nn.Module):
         self.register_buffer('seen', torch.zeros(0, dtype=torch.bool), persistent=False)
         # the backend of each device it has run on ('cpu' for CPU: see backend_for)
         self._backends: dict[str | torch.device, QuantBackend] = {}
+        # how far a replay of attention logits from the codes it packs strays, as the host has
+        # received it (``attention_core.refined_heads``; training state, like the estimates)
+        self.replay_error = LateReading()
 
     def __getstate__(self) -> dict:
         # copies and pickles choose again where they run (that may be without the extension)

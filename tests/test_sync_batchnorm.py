@@ -357,6 +357,36 @@ def test_ddp_training_keeps_ranks_identical(tmp_path):
     assert r['running_var_max_abs_diff_vs_plain_syncbn'] <= 1e-4, r
 
 
+def _sync_count_worker(rank: int, path: str) -> None:
+    from mmseg_mesa.bench.dispatch import count_step
+    from mmseg_mesa.host import device_path
+    model = make_model()
+    convert_to_mesa(model, config=MesaConfig())
+    x, target = batches(rank)
+
+    def step() -> None:
+        (model(x) - target).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    with device_path():
+        step()  # a first step reads its own values once
+        count = count_step(step)
+    if rank == 0:
+        dump(path, {'layer': type(model[1]).__name__, 'kernel_ops': count.kernel_ops,
+                    'syncs': [f'{name} at {site}' for (name, site) in count.syncs]})
+
+
+def test_a_synchronized_step_makes_the_host_wait_nowhere(tmp_path):
+    """Forward and backward of SyncBN over gloo, on a device's branches: no syncing op (the
+    group's count stays on the device; refinement reads the local count)."""
+    path = str(tmp_path / 'syncs.json')
+    spawn(_sync_count_worker, path)
+    with open(path) as f:
+        r = json.load(f)
+    assert r['layer'] == 'MesaSyncBatchNorm' and r['kernel_ops'] > 0, r
+    assert r['syncs'] == [], r
+
+
 # ---------------------------------------------------------------------------------------------
 # One rank, and no process group at all: the local path
 # ---------------------------------------------------------------------------------------------

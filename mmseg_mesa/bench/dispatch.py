@@ -130,3 +130,28 @@ def count_step(step: Any) -> DispatchCount:
     with CountDispatch() as mode:
         step()
     return mode.count
+
+
+def step_counts(model: torch.nn.Module, batch: tuple, mode: str = 'baseline',
+                device: str = 'cpu') -> DispatchCount:
+    """The counts of one forward + backward of ``model`` after an uncounted one (first calls
+    make quantizers and take first readings), with the CPU on a device's branches
+    (``host.device_path``)."""
+    from ..host import device_path
+    from .memory import forward_loss
+
+    def step() -> None:
+        forward_loss(model, batch, mode, device).backward()
+        model.zero_grad(set_to_none=True)
+
+    with device_path():
+        step()
+        return count_step(step)
+
+
+def added_syncs(mesa: DispatchCount, baseline: DispatchCount) -> dict[str, int]:
+    """Syncing ops Mesa's step runs beyond the baseline's, by op name (where Mesa rewrites a
+    step of the model that syncs, as mmdet's sampler, the two counts meet)."""
+    added = mesa.sync_names()
+    added.subtract(baseline.sync_names())
+    return {name: n for name, n in added.items() if n > 0}

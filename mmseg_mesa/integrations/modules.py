@@ -74,8 +74,8 @@ def reduce_cross_entropy(loss: CrossEntropyLoss, pixel: torch.Tensor, label: tor
     if loss.reduction == 'mean':
         if class_weight is None:
             avg_factor = label.numel()
-            if loss.avg_non_ignore:
-                avg_factor -= (label == ignore_index).sum().item()
+            if loss.avg_non_ignore:  # as a tensor: mmseg's .item() would wait for a device
+                avg_factor = (avg_factor - (label == ignore_index).sum()).float()
         else:
             label_weights = torch.stack([class_weight[cls] for cls in label]).to(
                 device=class_weight.device)
@@ -87,10 +87,12 @@ def reduce_cross_entropy(loss: CrossEntropyLoss, pixel: torch.Tensor, label: tor
 
 
 def top1_accuracy(correct: torch.Tensor, label: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """mmseg's ``accuracy(logits, label, ignore_index=...)`` (top-1) from the correct-pixel map."""
+    """mmseg's ``accuracy(logits, label, ignore_index=...)`` (top-1) from the correct-pixel map,
+    with masked sums where mmseg indexes with a boolean mask (which waits for a device): the
+    same values while the counts stay below 2**24, where fp32 sums of ones are exact."""
     valid = label != ignore_index
-    hits = correct[valid].float().sum(0, keepdim=True) + 1e-6
-    return hits.mul_(100.0 / (label[valid].numel() + 1e-6))
+    hits = (correct & valid).sum().float().reshape(1) + 1e-6
+    return hits.mul_((100.0 / (valid.sum(dtype=torch.float64) + 1e-6)).float())
 
 
 class MesaDecodeHead(MesaModule, BaseDecodeHead):

@@ -142,6 +142,9 @@ class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
         tgt_len, bsz, embed_dim = query.shape
         heads = self.num_heads
         head_dim = embed_dim // heads
+        # boolean masks become 0 / -inf: a mask made of them is kept as bits without reading it
+        boolean = (attn_mask is not None or key_padding_mask is not None) and all(
+            m is None or m.dtype == torch.bool for m in (attn_mask, key_padding_mask))
         key_padding_mask = F._canonical_mask(
             mask=key_padding_mask, mask_name='key_padding_mask',
             other_type=F._none_or_dtype(attn_mask), other_name='attn_mask',
@@ -171,7 +174,8 @@ class MesaMultiheadAttention(MesaModule, nn.MultiheadAttention):
                 q_scaled.view(bsz, heads, tgt_len, head_dim),
                 k.view(bsz, heads, src_len, head_dim), v.view(bsz, heads, src_len, head_dim),
                 None, None, mask, None, dropout_p, need_weights,
-                (self.quant_attn_q, self.quant_attn_k, self.quant_attn_v))
+                (self.quant_attn_q, self.quant_attn_k, self.quant_attn_v), None, 1.0,
+                (0.0, float('-inf')) if boolean else None)
             out, attn = result if need_weights else (result, None)
             return self._mesa_out_projection(out, tgt_len, bsz, embed_dim, heads, attn,
                                              need_weights, average_attn_weights)

@@ -12,8 +12,9 @@ an 8-bit copy of every map: ``heads x N x N`` bytes per image and layer, quadrat
 Where a replay from the 8-bit q and k would move the logits by more than the quantizers'
 ``refine_error`` (``MesaConfig.attention_refine_error``) on a few sampled rows (logits that
 training has made large: maps sharper than at initialization), q, k and v keep a second 8-bit
-pass each (``refined_heads``, ``quantizer.refine``: about 16 bits), measured and decided per
-call in forward.
+pass each (``refined_heads``, ``quantizer.refine``: about 16 bits). The error is measured on
+the device at every call; the host decides from the newest measurement it has received without
+waiting (``host.LateReading``): the previous call's, but at the first call.
 
 Backward recomputes each map from the decoded q and k and renormalizes it with a softmax of the
 recomputed logits, by blocks of rows (``MAP_BLOCK_BYTES`` of fp32 each), so no full map exists
@@ -25,6 +26,7 @@ maps").
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import MesaConfig
+from ..host import LateReading, reads_wait
 from ..quantizer import ActivationQuantizer, Packed, refine, sample_range, unpack
 from ..saved import PackedMask, load, save
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
@@ -76,11 +79,24 @@ class CompactMask:
 
     @classmethod
     def of(cls, mask: torch.Tensor) -> CompactMask:
+        """A float mask as 1 bit per element where it holds two values. Finding out reads the
+        device, so a device keeps the mask itself: masks that are the same for every image
+        (Swin's windows: 5 MiB in all for Swin-T at 512x512) cost no more per image, and a
+        mask known to hold two values (a boolean one) comes through ``two_valued``."""
+        if reads_wait(mask):
+            return cls(None, None, None, mask)
         low, high = mask.amin(), mask.amax()
         is_high = mask == high
         if bool((is_high | (mask == low)).all()):
             return cls(PackedMask.of(is_high), low, high, None)
         return cls(None, None, None, mask)
+
+    @classmethod
+    def two_valued(cls, is_high: torch.Tensor, low: float, high: float) -> CompactMask:
+        """The mask ``where(is_high, high, low)``, from its boolean form."""
+        device = is_high.device
+        return cls(PackedMask.of(is_high), torch.tensor(low, device=device),
+                   torch.tensor(high, device=device), None)
 
     def restore(self) -> torch.Tensor | None:
         if self.bits is None:
@@ -134,18 +150,32 @@ def first_image(codes: Any, batch: int) -> Any:
 
 
 def sampled_error(a_hat: torch.Tensor, b_hat: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-                  ) -> float:
+                  ) -> torch.Tensor:
     """The largest difference between the replayed product ``a_hat @ b_hat`` (decoded, fp32) and
-    the forward's ``a @ b`` on the first ``SAMPLED_ROWS`` rows of ``a``: the one measure of how
-    far a replay from codes strays, which every caller applies to its first image alone."""
+    the forward's ``a @ b`` on the first ``SAMPLED_ROWS`` rows of ``a`` (0-d, on the device):
+    the one measure of how far a replay from codes strays, which every caller applies to its
+    first image alone."""
     rows = slice(0, SAMPLED_ROWS)
     replayed = a_hat[..., rows, :] @ b_hat
     exact = a[..., rows, :].float() @ b.float()
-    return (replayed - exact).abs().max().item()
+    return (replayed - exact).abs().amax()
+
+
+# The replay errors of the operands packed by compressors that are no ActivationQuantizer.
+_READINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def replay_reading(quantizer: Any) -> LateReading:
+    """Where the replay errors of the operands ``quantizer`` packs are received: the
+    quantizer's own (``ActivationQuantizer.replay_error``, kept in the training state)."""
+    reading = getattr(quantizer, 'replay_error', None)
+    if reading is None:
+        reading = _READINGS.setdefault(quantizer, LateReading())
+    return reading
 
 
 def replay_error(q_hat: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                 ) -> float:
+                 ) -> torch.Tensor:
     """``sampled_error`` of the logits ``q @ k^T`` of the first image, every head: ``(B, H, N,
     d)`` operands (decoded ones in fp32, of the first image at least; k's heads may divide q's,
     as grouped queries do)."""
@@ -156,7 +186,7 @@ def replay_error(q_hat: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor, k: t
 
 
 def heads_error(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float
-                ) -> float:
+                ) -> torch.Tensor:
     """``replay_error`` of the logits ``q @ k^T * scale`` from q's and k's ``pack_heads``
     codes."""
     batch = q.shape[0]
@@ -178,7 +208,7 @@ def refine_heads(codes: Any, x: torch.Tensor) -> Any:
 class HeadCodes(NamedTuple):
     """What ``refined_heads`` keeps of q and k, and how far a replay from their 8-bit codes
     strays (how sharp the map is, whatever is kept; None where nothing could be refined, so
-    nothing was measured)."""
+    nothing was measured; as received, ``replay_reading``)."""
 
     q: Any
     k: Any
@@ -187,30 +217,33 @@ class HeadCodes(NamedTuple):
 
 
 def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float,
-                  limit: float) -> HeadCodes:
+                  quantizer: Any) -> HeadCodes:
     """``pack_heads`` codes of q and k, refined to about 16 bits where a replay of the logits
-    ``q @ k^T * scale`` from them would stray by more than ``limit`` (the quantizers'
-    ``spec.refine_error``, ``MesaConfig.attention_refine_error``). Where they are,
-    the caller refines v's too: a map sharp enough for this passes v's rounding on to the
-    gradient (DeiT-S UPerNet's above measured 0.019 and 0.036 with only q and k refined).
-    Nothing is measured (no decode, no host sync) where nothing could be refined: an infinite
-    ``limit``, or codes of another compressor."""
+    ``q @ k^T * scale`` from them strays by more than the ``refine_limit`` of ``quantizer``
+    (q's: ``MesaConfig.attention_refine_error``), as last received (``replay_reading``).
+    Where they are, the caller refines v's too: a map sharp enough for this passes v's rounding
+    on to the gradient (DeiT-S UPerNet's above measured 0.019 and 0.036 with only q and k
+    refined). Nothing is measured (no decode) where nothing could be refined: an infinite
+    limit, or codes of another compressor."""
+    limit = refine_limit(quantizer)
     if limit == math.inf or not (isinstance(codes_q, Packed) and isinstance(codes_k, Packed)):
         return HeadCodes(codes_q, codes_k, False, None)
-    error = heads_error(q, k, codes_q, codes_k, scale)
+    error = replay_reading(quantizer).update(heads_error(q, k, codes_q, codes_k, scale))
     if error <= limit:
         return HeadCodes(codes_q, codes_k, False, error)
     return HeadCodes(refine_heads(codes_q, q), refine_heads(codes_k, k), True, error)
 
 
 def refined_qkv(qkv: torch.Tensor, codes: Any, q: torch.Tensor, k: torch.Tensor,
-                q_scale: float, scale: float, limit: float) -> Any:
+                q_scale: float, scale: float, quantizer: Any) -> Any:
     """The codes of a ``(B, N, 3 * H * d)`` projection, refined as ``refined_heads`` refines
     q's and k's (v with them: they are one tensor's codes)."""
+    limit = refine_limit(quantizer)
     if limit == math.inf or not isinstance(codes, Packed):
         return codes
     q_hat, k_hat, _ = unpack_qkv(first_image(codes, q.shape[0]), q.shape[1], q_scale)
-    if replay_error(q_hat, k_hat, q, k) * abs(scale) <= limit:
+    error = replay_error(q_hat, k_hat, q, k) * abs(scale)
+    if replay_reading(quantizer).update(error) <= limit:
         return codes
     return refine(codes, qkv)
 
@@ -266,6 +299,8 @@ class MesaAttentionFunction(torch.autograd.Function):
         need_map: also return the (dropped-out) map, as ``nn.MultiheadAttention`` does.
         quantizers: the three ``ActivationQuantizer`` of q, k and v, or with ``qkv`` the one of
             the projection.
+        mask_values: ``(low, high)`` where the mask is known to hold no other values (made from
+            a boolean one): kept as 1 bit per element without reading it (``CompactMask``).
     """
 
     @staticmethod
@@ -274,7 +309,8 @@ class MesaAttentionFunction(torch.autograd.Function):
                 table: torch.Tensor | None, index: torch.Tensor | None,
                 mask: torch.Tensor | None, score_scale: float | None, dropout_p: float,
                 need_map: bool, quantizers: tuple[ActivationQuantizer, ...],
-                qkv: torch.Tensor | None = None, q_scale: float = 1.0) -> Any:
+                qkv: torch.Tensor | None = None, q_scale: float = 1.0,
+                mask_values: tuple[float, float] | None = None) -> Any:
         record_input(ctx, q)
         ctx.set_materialize_grads(False)
         queries, keys = q.shape[-2], k.shape[-2]
@@ -297,8 +333,7 @@ class MesaAttentionFunction(torch.autograd.Function):
         scale = 1.0 if score_scale is None else score_scale
         if qkv is None:
             packed = [pack_heads(x, quant) for x, quant in zip((q, k, v), quantizers)]
-            codes = refined_heads(q, k, packed[0], packed[1], scale,
-                                  refine_limit(quantizers[0]))
+            codes = refined_heads(q, k, packed[0], packed[1], scale, quantizers[0])
             if codes.refined:
                 packed = [codes.q, codes.k, refine_heads(packed[2], v)]
         else:
@@ -306,8 +341,13 @@ class MesaAttentionFunction(torch.autograd.Function):
                 raise ValueError(f'MesaAttentionFunction: qkv of shape {tuple(qkv.shape)} is '
                                  f'not the projection of q {tuple(q.shape)}')
             packed = [refined_qkv(qkv.detach(), quantizers[0].pack(qkv.detach()), q, k,
-                                  q_scale, scale, refine_limit(quantizers[0]))]
-        compact = CompactMask.of(mask.detach()) if mask is not None else NO_MASK
+                                  q_scale, scale, quantizers[0])]
+        if mask is None:
+            compact = NO_MASK
+        elif mask_values is not None:
+            compact = CompactMask.two_valued(mask.detach() == mask_values[1], *mask_values)
+        else:
+            compact = CompactMask.of(mask.detach())
         save(ctx, *packed, table, index, compact.bits, compact.low, compact.high, compact.full,
              PackedMask.of(keep) if keep is not None else None)
         if not need_map:
@@ -334,7 +374,7 @@ class MesaAttentionFunction(torch.autograd.Function):
                 cast(grad_k, k_dtype) if grad_k is not None else None,
                 cast(grad_v, v_dtype) if grad_v is not None else None,
                 cast(grad_table, table_dtype) if grad_table is not None else None,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def recompute_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

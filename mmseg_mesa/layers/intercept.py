@@ -322,7 +322,7 @@ class _Capture(TorchFunctionMode):
                 site = self._site('matmul', {'a': (-1, 1) if heads else (1, 1), 'b': (-1, 1)})
                 if site is not None:
                     y = (MesaLogitsFunction if heads else MesaMatMulFunction).apply(a, b, *site)
-                    recipe = logits_recipe(y, a, b) if self.recomputes_maps else None
+                    recipe = logits_recipe(y, a, b, site[0]) if self.recomputes_maps else None
                     if recipe is not None:
                         offer_map(y, recipe)
                     return y

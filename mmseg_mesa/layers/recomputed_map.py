@@ -46,8 +46,8 @@ from .attention_core import (
     first_image,
     heads_error,
     pack_heads,
-    refine_limit,
     refined_heads,
+    replay_reading,
     sampled_error,
     unpack_heads,
 )
@@ -201,10 +201,12 @@ def recipe_of(t: Any) -> Recipe | None:
     return MAPS.get(t) if isinstance(t, torch.Tensor) else None
 
 
-def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Recipe | None:
+def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, quantizer: Any
+                  ) -> Recipe | None:
     """The recipe of ``y = a @ b``, a ``MesaLogitsFunction`` output or a ``MesaMatMulFunction``
     output whose node packed both operands (None for any other tensor), with the replay's
-    error measured on a few rows (``product_error``)."""
+    error measured on a few rows (``product_error``), as ``quantizer``'s reading of it
+    (``attention_core.replay_reading``: the newest the host has received)."""
     node = y.grad_fn
     source = getattr(node, '_forward_cls', None)
     if source is MesaMatMulFunction and not all(
@@ -215,12 +217,12 @@ def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Recipe |
     if source is MesaLogitsFunction:  # measured as its forward packed
         refined, error = node.replay
     else:
-        refined, error = False, product_error(node, a, b)
+        refined, error = False, replay_reading(quantizer).update(product_error(node, a, b))
     return Recipe(node, error=error, refined=refined,
                   operands=(WeakOperand.of(a), WeakOperand.of(b)))
 
 
-def product_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> float:
+def product_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``attention_core.sampled_error`` of a ``MesaMatMulFunction``'s product replayed from its
     codes, on the first image: only that image's codes are decoded."""
     batch = a.shape[0] if a.dim() > 2 else 1
@@ -271,10 +273,10 @@ class MesaLogitsFunction(torch.autograd.Function):
         # measured on the product (a scale or bias the recipe follows comes later), refined
         # where 8 bits would stray (``attention_core.refined_heads``)
         codes = refined_heads(ac, k, pack_heads(ac, quant_a), pack_heads(k, quant_b), 1.0,
-                              refine_limit(quant_a))
+                              quant_a)
         # the recipe needs how sharp the map is even where nothing refines
         error = (codes.coarse_error if codes.coarse_error is not None
-                 else heads_error(ac, k, codes.q, codes.k, 1.0))
+                 else replay_reading(quant_a).update(heads_error(ac, k, codes.q, codes.k, 1.0)))
         ctx.replay = (codes.refined, error)
         save(ctx, codes.q, codes.k)
         return y

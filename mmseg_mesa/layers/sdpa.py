@@ -42,14 +42,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..host import reads_wait
 from ..quantizer import ActivationQuantizer
-from ..saved import PackedMask, load, save
+from ..saved import load, save
 from .attention_core import (
     CompactMask,
     pack_heads,
     recompute_gradients,
     refine_heads,
-    refine_limit,
     refined_heads,
     unpack_heads,
 )
@@ -129,8 +129,7 @@ def compact_mask(mask: torch.Tensor) -> CompactMask:
         if mask.stride(dim) == 0 and mask.shape[dim] > 1:
             mask = mask.narrow(dim, 0, 1)
     if mask.dtype == torch.bool:  # True: attends (0), False: hidden (-inf)
-        return CompactMask(PackedMask.of(mask), torch.tensor(float('-inf'), device=mask.device),
-                           torch.tensor(0.0, device=mask.device), None)
+        return CompactMask.two_valued(mask, float('-inf'), 0.0)
     return CompactMask.of(mask)
 
 
@@ -192,8 +191,7 @@ class MesaSDPAFunction(torch.autograd.Function):
         saved = [x.detach() if quant is None else pack_heads(x, quant)
                  for x, quant in zip((q, k, v), quantizers)]
         if not (ctx.kept[0] or ctx.kept[1]):
-            codes = refined_heads(q, k, saved[0], saved[1], ctx.meta[-1],
-                                  refine_limit(quantizers[0]))
+            codes = refined_heads(q, k, saved[0], saved[1], ctx.meta[-1], quantizers[0])
             if codes.refined:
                 saved[:2] = codes.q, codes.k
                 if not ctx.kept[2]:
@@ -215,7 +213,10 @@ class MesaSDPAFunction(torch.autograd.Function):
         if repeats > 1:
             k, v = k.repeat_interleave(repeats, 1), v.repeat_interleave(repeats, 1)
         mask = CompactMask(bits, low, high, full).restore()
-        empty_rows = mask is not None and bool((mask == float('-inf')).all(-1).any())
+        # rows the mask hides entirely: on a device assumed (asking would wait), which costs a
+        # pass that changes no row that is not empty
+        empty_rows = mask is not None and (
+            reads_wait(mask) or bool((mask == float('-inf')).all(-1).any()))
         grad_q, grad_k, grad_v, _, grad_mask = recompute_gradients(
             q, k, v, grad_out.flatten(1, -3), (*ctx.needs_input_grad[:3], False),
             score_scale=score_scale, mask=mask, causal=is_causal, empty_rows=empty_rows,

@@ -54,7 +54,7 @@ from .norm_backward import NormSets, normalization_backward
 
 
 def global_moments(x: torch.Tensor, process_group: Any, world_size: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel mean and biased variance of fp32 ``x`` over the group's concatenated batch.
 
     Each rank contributes ``(mean, M2 = var * n, n)``; combining them with Chan's formula (in
@@ -62,7 +62,8 @@ def global_moments(x: torch.Tensor, process_group: Any, world_size: int
     ``x`` and ``x**2``. An all-gather, not an all-reduce, because the counts may differ.
 
     Returns:
-        mean and variance (fp32, shape ``(C,)``) and the global count per channel.
+        mean and variance (fp32, shape ``(C,)``) and the global count per channel (a 0-d fp64
+        tensor on the device: reading it would wait for the collective).
     """
     channels = x.shape[1]
     count = x.numel() // channels
@@ -80,7 +81,7 @@ def global_moments(x: torch.Tensor, process_group: Any, world_size: int
     total = counts.sum()
     global_mean = (counts * means).sum(0) / total
     global_m2 = (m2s + counts * (means - global_mean).square()).sum(0)
-    return global_mean.float(), (global_m2 / total).float(), total.item()
+    return global_mean.float(), (global_m2 / total).float(), total
 
 
 class MesaSyncBatchNormFunction(torch.autograd.Function):
@@ -110,7 +111,10 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             x32 = x.float()
             mean, var, count = global_moments(x32, process_group, world_size)
-            if count <= 1:  # the same on every rank, so every rank raises
+            # only a rank with at most one value asks (a wait): if the group has at most one,
+            # so has every rank, and every rank raises
+            local_count = x.numel() // x.shape[1]
+            if local_count <= 1 and float(count) <= 1:
                 raise ValueError('Expected more than 1 value per channel when training, got '
                                  f'{int(count)} over the process group')
             if running_mean is not None:
@@ -129,7 +133,8 @@ class MesaSyncBatchNormFunction(torch.autograd.Function):
             y = y.to(x.dtype)
             if not x.numel():
                 packed = None
-            elif few_values(quantizer, int(count)):  # Mesa's quantizer: DIVISION's has no refine
+            # the group's count as the ranks' batches are alike (reading it would wait)
+            elif few_values(quantizer, local_count * world_size):  # DIVISION's: no refine
                 packed = quantizer.pack(x_norm, refined=True)
             else:
                 packed = quantizer.pack(x_norm)
