@@ -16,7 +16,7 @@ def test_ratio_is_the_median_of_each_rounds_ratio(tmp_path):
     moves it less than it moves the two medians."""
     out = tmp_path / 'speed.json'
     result = run_tool('benchmark_speed', '--batch', '2', '--size', '32', '32', '--iters', '3',
-                      '--warmup', '1', '--json', out)
+                      '--warmup', '1', '--count', '--json', out)
     assert result.returncode == 0, result.stderr[-4000:]
     results = json.loads(out.read_text())
     modes = results['modes']
@@ -29,6 +29,12 @@ def test_ratio_is_the_median_of_each_rounds_ratio(tmp_path):
     assert mesa['ratio_of_medians'] == pytest.approx(
         statistics.median(mesa['times_s']) / statistics.median(base['times_s']))
     assert f'{mesa["ratio"]:.2f}x' in result.stdout
+    counts = results['counts']  # --count: what a GPU would launch and wait for
+    assert counts['mesa']['kernel_ops'] > counts['baseline']['kernel_ops'] > 0
+    assert counts['mesa']['kernel_ratio'] == pytest.approx(
+        counts['mesa']['kernel_ops'] / counts['baseline']['kernel_ops'])
+    assert counts['mesa']['added_syncs'] == {} and counts['mesa']['mesa_sync_sites'] == {}
+    assert 'syncs, 0 added' in result.stdout
 
 
 def test_a_slow_spell_moves_the_paired_ratio_less_than_the_medians():

@@ -2,7 +2,7 @@
 
     python tools/benchmark_speed.py [CONFIG] [--modes baseline mesa mesa:paper ...] [--batch 8]
         [--size 64 64] [--device cpu|cuda] [--iters 7] [--warmup 2] [--json PATH]
-        [--profile MODE] [--cfg-options KEY=VALUE ...]
+        [--profile MODE] [--count] [--cfg-options KEY=VALUE ...]
 
 Every mode's model is built from the same weights (``mmseg_mesa.bench``'s builders and
 modes) and takes one training step (forward, backward, the config's optimizer step) in turn,
@@ -12,7 +12,10 @@ median over rounds of the mode's step time over the baseline's in the same round
 machine whose speed drifts from round to round (a virtual machine's neighbours) shifts less
 than the ratio of the two medians (also recorded, as ``ratio_of_medians``).
 ``--profile MODE`` also records one forward + backward step of that mode with torch.profiler and
-prints the operators that take the most self time. ``mmseg_mesa`` is imported as installed (or
+prints the operators that take the most self time. ``--count`` also counts, per mode, the kernel
+ops and host synchronisations of one forward + backward (``mmseg_mesa.bench.dispatch``: what a
+GPU launches and waits for, with the CPU on a device's branches), and the syncs a mode adds to
+the baseline's with where they are called. ``mmseg_mesa`` is imported as installed (or
 from ``PYTHONPATH``), so the same command measures another checkout.
 """
 from __future__ import annotations
@@ -31,7 +34,13 @@ from mmseg_mesa.bench.models import (
     make_batch,
     write_json,
 )
-from mmseg_mesa.bench.speed import interleaved_times, profile_step, step_times
+from mmseg_mesa.bench.speed import (
+    dispatch_counts,
+    format_counts,
+    interleaved_times,
+    profile_step,
+    step_times,
+)
 
 ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DEMO_CONFIG = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
@@ -49,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument('--json', default=None)
     parser.add_argument('--profile', default=None, metavar='MODE',
                         help='profile one forward + backward step of this mode')
+    parser.add_argument('--count', action='store_true',
+                        help='count kernel ops and host syncs of one forward + backward')
     add_cfg_options(parser)
     return parser.parse_args(argv)
 
@@ -75,6 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f'  {mode:<24} {entry["step_time_s"] * 1e3:9.1f} ms  {ratio}')
     if args.profile:
         print(profile_step(models[args.profile], batch, args.profile, args.device))
+    if args.count:
+        results['counts'] = dispatch_counts(models, batch, args.device)
+        print(format_counts(results['counts']))
     write_json(results, args.json)
     return results
 

@@ -54,3 +54,31 @@ def profile_step(model: torch.nn.Module, batch: tuple, mode: str, device: str,
     model.zero_grad(set_to_none=True)
     key = 'self_cuda_time_total' if device == 'cuda' else 'self_cpu_time_total'
     return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def dispatch_counts(models: dict[str, torch.nn.Module], batch: tuple, device: str
+                    ) -> dict[str, dict]:
+    """Per mode: kernel ops and host syncs of one forward + backward (``dispatch.step_counts``),
+    their ratios to ``baseline``'s, the syncs it adds to the baseline's by op name, and its
+    syncs called from ``mmseg_mesa`` by site."""
+    from .dispatch import added_syncs, step_counts
+    counts = {mode: step_counts(model, batch, mode, device) for mode, model in models.items()}
+    base = counts.get('baseline')
+    return {mode: dict(kernel_ops=c.kernel_ops, syncs=c.sync_ops,
+                       kernel_ratio=c.kernel_ops / base.kernel_ops if base else None,
+                       added_syncs=added_syncs(c, base) if base else None,
+                       mesa_sync_sites={f'{name} at {site}': n
+                                        for (name, site), n in c.mesa_syncs().items()})
+            for mode, c in counts.items()}
+
+
+def format_counts(counts: dict[str, dict]) -> str:
+    """The table ``--count`` prints."""
+    lines = ['kernel ops and host syncs per forward + backward (CPU on a device\'s branches)']
+    for mode, entry in counts.items():
+        ratio = f'{entry["kernel_ratio"]:.2f}x' if entry['kernel_ratio'] is not None else '-'
+        added = sum((entry['added_syncs'] or {}).values())
+        lines.append(f'  {mode:<24} {entry["kernel_ops"]:6d} ops {ratio:>6}  '
+                     f'{entry["syncs"]:4d} syncs, {added} added')
+        lines += [f'      {n} x {site}' for site, n in entry['mesa_sync_sites'].items()]
+    return '\n'.join(lines)
