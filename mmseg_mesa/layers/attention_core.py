@@ -119,12 +119,17 @@ def pack_heads(x: torch.Tensor, quantizer: ActivationQuantizer) -> Any:
     return quantizer.pack(head_rows(x))
 
 
-def unpack_heads(packed: Any, heads: int) -> torch.Tensor:
-    """The fp32 ``(B, H, N, d)`` operand ``pack_heads`` packed, contiguous (backward's matmuls
-    would each copy a strided operand again)."""
+def decoded_heads(packed: Any, heads: int) -> torch.Tensor:
+    """The fp32 ``(B, H, N, d)`` operand ``pack_heads`` packed, as a view of its rows."""
     rows = unpack(packed, torch.float32)
     batch, tokens, channels = rows.shape
-    return rows.view(batch, tokens, heads, channels // heads).transpose(1, 2).contiguous()
+    return rows.view(batch, tokens, heads, channels // heads).transpose(1, 2)
+
+
+def unpack_heads(packed: Any, heads: int) -> torch.Tensor:
+    """``decoded_heads``, contiguous (backward's matmuls would each copy a strided operand
+    again)."""
+    return decoded_heads(packed, heads).contiguous()
 
 
 def unpack_qkv(packed: Any, heads: int, q_scale: float
@@ -149,16 +154,20 @@ def first_image(codes: Any, batch: int) -> Any:
     return codes if part is None else part
 
 
-def sampled_error(a_hat: torch.Tensor, b_hat: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-                  ) -> torch.Tensor:
-    """The largest difference between the replayed product ``a_hat @ b_hat`` (decoded, fp32) and
-    the forward's ``a @ b`` on the first ``SAMPLED_ROWS`` rows of ``a`` (0-d, on the device):
-    the one measure of how far a replay from codes strays, which every caller applies to its
-    first image alone."""
+def sampled_error(a_hat: torch.Tensor, b_hat: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  a_hat_scale: float = 1.0, scale: float = 1.0) -> torch.Tensor:
+    """The largest difference between the replayed product ``a_hat @ b_hat`` (decoded, fp32;
+    times ``a_hat_scale``) and the forward's ``a @ b`` on the first ``SAMPLED_ROWS`` rows of
+    ``a``, times ``|scale|`` (0-d, on the device): the one measure of how far a replay from
+    codes strays, which every caller applies to its first image alone. The factors act on the
+    sampled rows only."""
     rows = slice(0, SAMPLED_ROWS)
     replayed = a_hat[..., rows, :] @ b_hat
     exact = a[..., rows, :].float() @ b.float()
-    return (replayed - exact).abs().amax()
+    if a_hat_scale != 1.0:
+        replayed.mul_(a_hat_scale)
+    error = torch.linalg.vector_norm(replayed.sub_(exact), math.inf)
+    return error if abs(scale) == 1.0 else error.mul_(abs(scale))
 
 
 # The replay errors of the operands packed by compressors that are no ActivationQuantizer.
@@ -174,15 +183,16 @@ def replay_reading(quantizer: Any) -> LateReading:
     return reading
 
 
-def replay_error(q_hat: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                 ) -> torch.Tensor:
+def replay_error(q_hat: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                 q_hat_scale: float = 1.0, scale: float = 1.0) -> torch.Tensor:
     """``sampled_error`` of the logits ``q @ k^T`` of the first image, every head: ``(B, H, N,
     d)`` operands (decoded ones in fp32, of the first image at least; k's heads may divide q's,
     as grouped queries do)."""
     repeats = q.shape[1] // k.shape[1]
     if repeats > 1:
         k_hat, k = (t[:1].repeat_interleave(repeats, 1) for t in (k_hat, k))
-    return sampled_error(q_hat[:1], k_hat[:1].transpose(-2, -1), q[:1], k[:1].transpose(-2, -1))
+    return sampled_error(q_hat[:1], k_hat[:1].transpose(-2, -1), q[:1], k[:1].transpose(-2, -1),
+                         q_hat_scale, scale)
 
 
 def heads_error(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float
@@ -190,8 +200,9 @@ def heads_error(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, sc
     """``replay_error`` of the logits ``q @ k^T * scale`` from q's and k's ``pack_heads``
     codes."""
     batch = q.shape[0]
-    return replay_error(unpack_heads(first_image(codes_q, batch), q.shape[1]),
-                        unpack_heads(first_image(codes_k, batch), k.shape[1]), q, k) * abs(scale)
+    return replay_error(decoded_heads(first_image(codes_q, batch), q.shape[1]),
+                        decoded_heads(first_image(codes_k, batch), k.shape[1]), q, k,
+                        scale=scale)
 
 
 def refine_limit(quantizer: Any) -> float:
@@ -241,8 +252,12 @@ def refined_qkv(qkv: torch.Tensor, codes: Any, q: torch.Tensor, k: torch.Tensor,
     limit = refine_limit(quantizer)
     if limit == math.inf or not isinstance(codes, Packed):
         return codes
-    q_hat, k_hat, _ = unpack_qkv(first_image(codes, q.shape[0]), q.shape[1], q_scale)
-    error = replay_error(q_hat, k_hat, q, k) * abs(scale)
+    rows = unpack(first_image(codes, q.shape[0]), torch.float32)
+    batch, tokens, channels = rows.shape
+    heads = q.shape[1]
+    q_hat, k_hat = rows.view(batch, tokens, 3, heads, channels // (3 * heads)).permute(
+        2, 0, 3, 1, 4)[:2]  # views: only the sampled rows are multiplied by q_scale
+    error = replay_error(q_hat, k_hat, q, k, q_scale, scale)
     if replay_reading(quantizer).update(error) <= limit:
         return codes
     return refine(codes, qkv)
