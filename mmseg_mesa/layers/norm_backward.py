@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .chunking import FUSED_BACKWARD_BYTES, channel_dot
+from .constants import filled
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -72,26 +73,25 @@ def normalization_backward(grad: torch.Tensor, x_norm: torch.Tensor, rstd: torch
     needs_b = bias is not None and needs[2]
     w32 = None if weight is None else weight.float()
     if sets.normalized_shape:
-        flat = torch.zeros(rstd.shape, dtype=torch.float32, device=rstd.device)
         grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
-            grad, x_norm, sets.normalized_shape, flat, flat.add(1.0), w32,
+            grad, x_norm, sets.normalized_shape, filled(0.0, rstd.shape, rstd),
+            filled(1.0, rstd.shape, rstd), w32,
             None if bias is None else bias.float(), [needs[0], needs_w, needs_b])
         return None if grad_x is None else grad_x.mul_(rstd), grad_w, grad_b
     if sets.groups:
         n, c = x_norm.shape[:2]
-        flat = torch.zeros(n, sets.groups, dtype=torch.float32, device=rstd.device)
         grad_x, grad_w, grad_b = torch.ops.aten.native_group_norm_backward(
-            grad.contiguous(), x_norm.contiguous(), flat, flat.add(1.0), w32, n, c,
+            grad.contiguous(), x_norm.contiguous(), filled(0.0, (n, sets.groups), rstd),
+            filled(1.0, (n, sets.groups), rstd), w32, n, c,
             x_norm.numel() // max(n * c, 1), sets.groups, [needs[0], needs_w, needs_b])
         if grad_x is not None:
             grad_x.view(n, sets.groups, -1).mul_(rstd.view(n, sets.groups, 1))
         return grad_x, grad_w, grad_b
     if set_sums is None and fits_fused(grad):
         scale = rstd.reshape(-1) if w32 is None else rstd.reshape(-1) * w32
-        zeros = torch.zeros_like(scale)
         return torch.ops.aten.native_batch_norm_backward(
-            grad, x_norm, scale, None, None, zeros, zeros.add(1.0), True, 0.0,
-            [needs[0], needs_w, needs_b])
+            grad, x_norm, scale, None, None, filled(0.0, scale.shape, scale, scale.dtype),
+            filled(1.0, scale.shape, scale, scale.dtype), True, 0.0, [needs[0], needs_w, needs_b])
     dims = [0] + list(range(2, grad.dim()))
     sum_dy = sum_dy_xnorm = None
     if needs_b or (needs[0] and set_sums is None):
