@@ -11,7 +11,8 @@ from mmseg_mesa.bench import sweep
 def test_every_row_has_the_headers_cells():
     ok = dict(outcome='ok', forward_identical=True, saved_ratio=0.2, left_share=0.01,
               left_top=[dict(name='a', type='Conv2d', share=0.01)], relative_error=0.01,
-              minibatch_noise=0.5, worst_cosine=0.999)
+              minibatch_noise=0.5, worst_cosine=0.999, kernel_ratio=1.6,
+              added_syncs={'nonzero': 2})
     cells = sweep.header(['backbone', 'arch'], ['extra']).splitlines()[0].count('|')
     assert sweep.format_row(['x', 'y'], ok, ['e']).count('|') == cells
     assert sweep.format_row(['x', 'y'], dict(outcome='build: KeyError'), ['e']).count('|') == cells
@@ -53,5 +54,6 @@ def test_one_backbone_end_to_end(tmp_path):
     assert row['relative_error'] < row['minibatch_noise']
     assert 0.9 < row['worst_cosine'] <= 1 + 1e-6
     assert isinstance(row['left_to_torch'], list)
+    assert row['kernel_ratio'] > 1 and row['added_syncs'] == {} and row['mesa_sync_sites'] == []
     lines = table.read_text().splitlines()
     assert len(lines) == 4 and lines[2].startswith('| ConvNeXt (64) |')

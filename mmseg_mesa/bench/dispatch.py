@@ -133,10 +133,10 @@ def count_step(step: Any) -> DispatchCount:
 
 
 def step_counts(model: torch.nn.Module, batch: tuple, mode: str = 'baseline',
-                device: str = 'cpu') -> DispatchCount:
-    """The counts of one forward + backward of ``model`` after an uncounted one (first calls
-    make quantizers and take first readings), with the CPU on a device's branches
-    (``host.device_path``)."""
+                device: str = 'cpu', warmup: bool = True) -> DispatchCount:
+    """The counts of one forward + backward of ``model``, after an uncounted one where
+    ``warmup`` (first calls make quantizers and take first readings), with the CPU on a
+    device's branches (``host.device_path``)."""
     from ..host import device_path
     from .memory import forward_loss
 
@@ -145,7 +145,8 @@ def step_counts(model: torch.nn.Module, batch: tuple, mode: str = 'baseline',
         model.zero_grad(set_to_none=True)
 
     with device_path():
-        step()
+        if warmup:
+            step()
         return count_step(step)
 
 

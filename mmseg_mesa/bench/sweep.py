@@ -9,7 +9,8 @@ row with ``measure``; a model that fails or runs out of memory ends only its own
 bit-identical to the unconverted one's; saved bytes against the baseline's and the share Mesa
 leaves uncompressed, with the modules holding most of it (``coverage``); the whole-gradient
 relative error, the minibatch noise of the same batch size and the worst cosine (``fidelity``);
-and the calls the conversion's generic path left to torch in that step.
+the calls the conversion's generic path left to torch in that step; and what a GPU step of each
+would launch and wait for (``dispatch``): kernel ops, and host syncs Mesa adds.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from typing import Any
 import torch
 
 COLUMNS = ('outcome', 'saved / baseline', 'left', 'left by (share > 0.005)', 'gradient error',
-           'worst cosine')
-ALIGN = ('---', '---:', '---:', '---', '---', '---:')
+           'worst cosine', 'kernel ops', 'syncs added')
+ALIGN = ('---', '---:', '---:', '---', '---', '---:', '---:', '---')
 
 
 def configs_root() -> str:
@@ -92,8 +93,23 @@ def measure(cfg: Any, size: int, batch_size: int, result: dict) -> dict:
     result.update(saved_ratio=mesa['saved_bytes'] / total, left_share=mesa['left_bytes'] / total,
                   left_top=[dict(name=n or '(model)', type=types.get(n, '?'), share=b / total)
                             for n, b in left[:3]])
+    result['stage'] = 'dispatch counts'
+    result.update(dispatch_row(reference, model, data))
     result['stage'] = 'done'
     return result
+
+
+def dispatch_row(reference: torch.nn.Module, model: torch.nn.Module, data: tuple) -> dict:
+    """What a GPU step of each would launch and wait for (``dispatch.step_counts``): Mesa's
+    kernel ops over the baseline's, the syncs Mesa adds by op name, and Mesa's own sync sites.
+    Both models have taken a training step (first calls read their own values)."""
+    from mmseg_mesa.bench.dispatch import added_syncs, step_counts
+    base = step_counts(reference, data, warmup=False)
+    mesa = step_counts(model, data, warmup=False)
+    return dict(kernel_ratio=mesa.kernel_ops / base.kernel_ops,
+                added_syncs=added_syncs(mesa, base),
+                mesa_sync_sites=sorted(f'{n} x {name} at {site}'
+                                       for (name, site), n in mesa.mesa_syncs().items()))
 
 
 def one(make_config: Callable[[], Any], size: int, batch: int, json_path: str) -> int:
@@ -179,7 +195,9 @@ def format_row(labels: Sequence[str], row: dict, extra: Sequence[str] = ()) -> s
     cells = [f'ok, forward identical: {identical}', f"{row['saved_ratio']:.3f}",
              f"{row['left_share']:.3f}", top,
              f"{row['relative_error']:.4f} ({row['relative_error'] / row['minibatch_noise']:.3f}"
-             ' of noise)', f"{row['worst_cosine']:.4f}", *extra]
+             ' of noise)', f"{row['worst_cosine']:.4f}", f"{row['kernel_ratio']:.2f}x",
+             ', '.join(f'{n} x `{name}`' for name, n in row['added_syncs'].items()) or '0',
+             *extra]
     return f"| {' | '.join(labels)} | {' | '.join(cells)} |"
 
 
