@@ -481,10 +481,14 @@ def recompute_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if table is not None:
             scores.add_(table[index[rows]].permute(2, 0, 1).float())
         if mask is not None:
-            groups = mask.shape[0]
-            ids = torch.arange(images.start, images.stop, device=mask.device) % groups
-            part = mask[ids]
-            scores.add_(part if part.shape[2] == 1 else part[:, :, rows])
+            groups, count = mask.shape[0], images.stop - images.start
+            if images.start % groups == 0 and count % groups == 0:  # as add_mask: no gather
+                part = mask if mask.shape[2] == 1 else mask[:, :, rows]
+                scores.view(count // groups, groups, *scores.shape[1:]).add_(part.unsqueeze(0))
+            else:
+                ids = torch.arange(images.start, images.stop, device=mask.device) % groups
+                part = mask[ids]
+                scores.add_(part if part.shape[2] == 1 else part[:, :, rows])
         if key_ids is not None:
             first, last = rows.indices(queries)[:2]
             query_ids = torch.arange(first, last, device=q.device)
