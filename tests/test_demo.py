@@ -147,6 +147,10 @@ def test_demo_quick_end_to_end(tmp_path):
     assert summary['mesa']['max_batch_ratio'] == pytest.approx(
         plans['mesa']['max_batch'] / plans['baseline']['max_batch'], rel=1e-3)
     assert 'largest batch in 1 GiB (planned)' in result.stdout
+    # both models' steps timed in turn: the ratio is the median of each round's
+    assert summary['baseline']['step_time_ratio'] == 1.0
+    assert summary['mesa']['step_time_s'] > 0 and summary['mesa']['step_time_ratio'] > 0
+    assert 'training step, timed in turn (ms)' in result.stdout
     with open(work_dir / 'summary.png', 'rb') as f:
         assert f.read(8) == b'\x89PNG\r\n\x1a\n'
 
@@ -159,9 +163,10 @@ def synthetic_summary():
              for name, per_image, batch in (('baseline', 3.7, 264), ('mesa', 1.3, 751))}
     summary = {name: dict(miou=miou, aacc=95.0, final_loss=0.1, saved_bytes=int(saved * mib),
                           step_peak_bytes=int(peak * mib), train_time_s=300.0, cpu_time_s=250.0,
-                          budget_plan=plans[name])
-               for name, miou, saved, peak in (('baseline', 85.6, 28.3, 63.1),
-                                               ('mesa', 87.2, 5.2, 52.2))}
+                          budget_plan=plans[name], step_time_s=step / 1e3,
+                          step_time_ratio=step / 400.0)
+               for name, miou, saved, peak, step in (('baseline', 85.6, 28.3, 63.1, 400.0),
+                                                     ('mesa', 87.2, 5.2, 52.2, 500.0))}
     curves = {name: dict(iter=[10, 20, 30], loss=[1.0, 0.5, 0.3]) for name in summary}
     return summary, curves
 
@@ -174,6 +179,8 @@ def test_table_says_what_the_saving_buys():
     assert batch_row.split()[-3:] == ['264', '751', f'{751 / 264:.3f}']
     per_image = next(line for line in table.splitlines() if 'per image' in line)
     assert per_image.split()[-3:] == ['3.70', '1.30', f'{1.3 / 3.7:.3f}']
+    step = next(line for line in table.splitlines() if 'timed in turn' in line)
+    assert step.split()[-3:] == ['400.0', '500.0', '1.250']
 
 
 def test_summary_plot_titles_are_whole_and_apart(tmp_path):

@@ -10,7 +10,8 @@ backward, optimizer step, after a warm-up step; torch's ``MemTracker``), for bot
 same batch, and again on half of it; from those two peaks the budget planner
 (``mmseg_mesa.memory.BatchPlan``) predicts the largest batch whose step fits in ``--budget``
 (default 1 GiB): what the saving buys, since the demo model's weights and AdamW state dominate
-its step peak at its own batch. Then train the baseline and the Mesa config through
+its step peak at its own batch. Both models then take a few training steps in turn (the step
+time ratio, compute alone). Then train the baseline and the Mesa config through
 ``tools/train.py`` (one subprocess each, same seed, log lines streamed) and record each child's
 wall time, CPU time and peak RSS; read the final loss and the mIoU of its validation at the end
 from its ``vis_data/scalars.json``. Results go to ``WORK_DIR/summary.json``
@@ -72,14 +73,18 @@ def parse_args() -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 # Memory: bytes saved for backward by one training step of each model, its step peak and what
 # fits in a budget.
-def measure_memory(options: dict[str, Any], seed: int, budget: int) -> dict[str, dict[str, Any]]:
+def measure_steps(options: dict[str, Any], seed: int, budget: int, timed_steps: int
+                  ) -> dict[str, dict[str, Any]]:
     """Build both models from their configs with the same weights; measure steps on one batch.
 
     The first step counts what is saved for backward and, with its optimizer step, is the
     warm-up; the second is tracked for its peak, the third (half the batch) too, and the two
-    peaks give each model's ``BatchPlan`` for ``budget`` bytes. Returns ``{name:
+    peaks give each model's ``BatchPlan`` for ``budget`` bytes. Then both models take
+    ``timed_steps`` training steps in turn after an untimed round (``bench.speed``: a slow
+    spell of the machine falls on both), the step time being compute alone, unlike the
+    training runs' times (data loading, validation, logging). Returns ``{name:
     dict(saved_bytes, saved_by_type, step_peak_bytes, step_peak_by_category, step_peak_phase,
-    budget_plan)}``.
+    budget_plan, step_time_s, step_time_ratio)}``.
     """
     import numpy as np
     import torch
@@ -91,6 +96,7 @@ def measure_memory(options: dict[str, Any], seed: int, budget: int) -> dict[str,
     from mmseg.utils import register_all_modules
 
     from mmseg_mesa import MesaConfig, convert_to_mesa
+    from mmseg_mesa.bench.speed import interleaved_times, step_times
     from mmseg_mesa.memory import BatchPlan, count_saved_tensors, track_step_peak
 
     register_all_modules()
@@ -108,7 +114,7 @@ def measure_memory(options: dict[str, Any], seed: int, budget: int) -> dict[str,
         raise SystemExit('demo: the planner needs a batch of at least 2 images')
 
     weights = None
-    results = {}
+    results, models, optimizers = {}, {}, {}
     for name, cfg in cfgs.items():
         torch.manual_seed(seed)
         # No init_weights(): what is saved depends on shapes only, and outside a runner it
@@ -152,7 +158,12 @@ def measure_memory(options: dict[str, Any], seed: int, budget: int) -> dict[str,
                              step_peak_by_category=peak.by_category,
                              step_peak_phase=f'{peak.phase}: {peak.module or "-"}',
                              budget_plan=plan.summary(budget))
-        del model, optimizer
+        models[name], optimizers[name] = model, optimizer
+    times = step_times(interleaved_times(models, optimizers, (data['inputs'],
+                                                              data['data_samples']),
+                                         'cpu', warmup=1, iters=timed_steps))
+    for name, entry in times.items():
+        results[name].update(step_time_s=entry['step_time_s'], step_time_ratio=entry['ratio'])
     return results
 
 
@@ -195,7 +206,7 @@ def main() -> None:
         raise SystemExit(f'demo: --budget: {error}') from None
     torch.set_num_threads(args.threads)
     options = cfg_options(data_root, args.seed, schedule)
-    memory = measure_memory(options, args.seed, budget)
+    memory = measure_steps(options, args.seed, budget, schedule.timed_steps)
     for name, result in memory.items():
         plan = result['budget_plan']
         print(f'demo: {name}: one training step saves {result["saved_bytes"] / 2**20:.2f} MiB '

@@ -26,6 +26,8 @@ def format_table(summary: dict[str, dict[str, Any]]) -> str:
          plan_ratio('per_image_bytes')),
         (f'largest batch in {format_bytes(plans[0]["budget_bytes"])} (planned)',
          *(str(p['max_batch']) for p in plans), plan_ratio('max_batch')),
+        ('training step, timed in turn (ms)', f'{base["step_time_s"] * 1e3:.1f}',
+         f'{mesa["step_time_s"] * 1e3:.1f}', f'{mesa["step_time_ratio"]:.3f}'),
         ('wall time of training (s)', f'{base["train_time_s"]:.1f}',
          f'{mesa["train_time_s"]:.1f}', ratio('train_time_s')),
         ('CPU time of training (s)', f'{base["cpu_time_s"]:.1f}',

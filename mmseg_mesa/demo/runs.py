@@ -27,10 +27,12 @@ class Schedule:
     max_iters: int | None  # None keeps the config's schedule
     batch_size: int | None = None
     log_interval: int | None = None
+    timed_steps: int = 7  # training steps of each model timed in turn (after one untimed)
 
 
 FULL = Schedule(num_train=2000, num_val=200, size=64, max_iters=None)
-QUICK = Schedule(num_train=16, num_val=8, size=64, max_iters=6, batch_size=4, log_interval=2)
+QUICK = Schedule(num_train=16, num_val=8, size=64, max_iters=6, batch_size=4, log_interval=2,
+                 timed_steps=2)
 
 
 def cfg_options(data_root: str, seed: int, schedule: Schedule) -> dict[str, Any]:
