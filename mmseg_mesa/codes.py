@@ -1,10 +1,10 @@
 """What a compressed activation is: the ``Codes`` protocol, the quantizer's containers and spec.
 
-Every compressed activation a Mesa layer saves (``Packed``, ``Refined``, ``Mapped``, DIVISION's
-``DivisionPacked``, ``MesaUPerHead``'s ``FusedCodes``) satisfies ``Codes``: ``saved`` flattens it
-into its tensors and rebuilds it in backward, and a weight gradient decodes it a few samples at
-a time through ``sample_range``. Decoding is the quantizer's job (``quantizer.unpack``), so this
-module holds data and layout only.
+Every compressed activation a Mesa layer saves (``Packed``, ``Refined``, ``Mapped``, ``Affine``,
+DIVISION's ``DivisionPacked``, ``MesaUPerHead``'s ``FusedCodes``) satisfies ``Codes``: ``saved``
+flattens it into its tensors and rebuilds it in backward, and a weight gradient decodes it a few
+samples at a time through ``sample_range``. Decoding is the quantizer's job
+(``quantizer.unpack``), so this module holds data and layout only.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Protocol, Self, TypeGuard, runtime_checkable
 
 import torch
 
-__all__ = ['Codes', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'is_codes', 'layout_of',
+__all__ = ['Affine', 'Codes', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'is_codes', 'layout_of',
            'rebuild_from', 'sample_range']
 
 
@@ -196,6 +196,46 @@ class Mapped:
         return cls(rebuild_from(tensors, source_layout), fn, dtype)
 
     def sample_range(self, start: int, stop: int) -> Mapped | None:
+        source = self.source.sample_range(start, stop)
+        return None if source is None else replace(self, source=source)
+
+
+@dataclass
+class Affine:
+    """The codes of ``x`` standing for ``x * weight + bias``, one weight and bias (each
+    optional) per channel of ``x``'s one-channel groups: a LayerNorm's output as the codes of
+    its normalized input (``layers.norm.affine_codes``).
+
+    Decoding folds the affine into the codes' own per-group one (``quantizer.unpack``), so it
+    costs two per-channel ops and no pass over the tensor. The weight and bias are the layer's
+    own tensors, saved with the codes: autograd's version check guards them against an in-place
+    update before backward, as it guards the LayerNorm's own saved weight.
+    """
+
+    source: Packed
+    weight: torch.Tensor | None  # (C,), along the source's group dim
+    bias: torch.Tensor | None  # (C,)
+    dtype: torch.dtype  # of the tensor it stands for
+
+    # The fields attached_codes checks are the source's.
+    shape = property(lambda self: self.source.shape)
+    bits = property(lambda self: self.source.bits)
+    group_dim = property(lambda self: self.source.group_dim)
+    group_size = property(lambda self: self.source.group_size)
+    backend = property(lambda self: self.source.backend)
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (*self.source.tensors(), self.weight, self.bias)
+
+    def meta(self) -> tuple:
+        return self.source.meta(), self.dtype
+
+    @classmethod
+    def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> Affine:
+        source_meta, dtype = meta
+        return cls(Packed.rebuild(tensors[:3], source_meta), tensors[3], tensors[4], dtype)
+
+    def sample_range(self, start: int, stop: int) -> Affine | None:
         source = self.source.sample_range(start, stop)
         return None if source is None else replace(self, source=source)
 

@@ -16,12 +16,13 @@ with bit-identical results; ``_backend.select_backend`` picks it from the spec's
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from ._backend import QuantBackend, select_backend
-from .codes import Codes, Mapped, Packed, QuantSpec, Refined, sample_range
+from .codes import Affine, Codes, Mapped, Packed, QuantSpec, Refined, sample_range
 from .host import LateReading
 from .reference import ema_update, group_min_max, scale_from_span
 from .rounding import reset_rounding_generators, rounding_counter
@@ -80,9 +81,22 @@ def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
 
     Backward formulas that compute in fp32 ask for fp32 directly, so a bf16 activation is not
     rounded to bf16 once more on the way back. ``Mapped`` codes are their source decoded in fp32
-    through their function; other compressors' codes (``DivisionPacked``, ``FusedCodes``) decode
-    themselves through their ``restore``, so layers call this one function.
+    through their function; ``Affine`` codes their source through the composed per-channel
+    affine (``x * scale + lower``, then ``* weight + bias``: one per-channel affine); other
+    compressors' codes (``DivisionPacked``, ``FusedCodes``) decode themselves through their
+    ``restore``, so layers call this one function.
     """
+    if isinstance(packed, Affine):
+        source = packed.source
+        lower, scale = source.lower, source.scale
+        bias = None if packed.bias is None else packed.bias.detach().float()
+        if packed.weight is not None:
+            weight = packed.weight.detach().float()
+            scale = scale * weight
+            lower = lower * weight if bias is None else torch.addcmul(bias, lower, weight)
+        elif bias is not None:
+            lower = lower + bias
+        return unpack(replace(source, lower=lower, scale=scale), dtype or packed.dtype)
     if isinstance(packed, Mapped):
         return packed.fn(unpack(packed.source, torch.float32)).to(dtype or packed.dtype)
     if isinstance(packed, Refined):

@@ -67,6 +67,36 @@ def test_an_in_place_change_is_a_miss():
     assert counts.misses == {('Linear', 'modified in place since'): 1}
 
 
+def test_a_norm_output_decodes_through_its_affine_and_guards_its_parameters():
+    """A LayerNorm's output is its normalized input's codes with the affine folded into their
+    own (``codes.Affine``): the Linear decodes it to the output's codes' values, and an in-place
+    update of the norm's weight before backward raises as torch's own saved weight would."""
+    from mmseg_mesa.codes import Affine
+    from mmseg_mesa.quantizer import unpack
+    from mmseg_mesa.reuse import attached_codes
+    torch.manual_seed(0)
+    model = norm_then_linear(MesaConfig(stochastic_rounding=False))
+    norm = model[0]
+    with torch.no_grad():
+        norm.weight.uniform_(-2, 2)
+        norm.bias.uniform_(-1, 1)
+    x = torch.randn(4, 10, 16, requires_grad=True)
+    y = norm(x)
+    codes = attached_codes(y, model[1].quant_input.spec)
+    assert isinstance(codes, Affine) and codes.weight is norm.weight
+    source = unpack(codes.source, torch.float32) * norm.weight + norm.bias
+    assert torch.allclose(unpack(codes), source, rtol=0, atol=1e-5)
+    # one step of the codes' (absolute) scale times |weight| from the exact output
+    step = (codes.source.scale * norm.weight.abs()).max()
+    assert (unpack(codes) - y).abs().max() <= 0.5 * step + 1e-5
+    model(x).sum().backward()  # unchanged: fine
+    out = model(x).sum()
+    with torch.no_grad():
+        norm.weight.mul_(2)
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'):
+        out.backward()
+
+
 @pytest.mark.parametrize('name, options', [
     (SWIN_T, None), (DEIT_S, {'model.backbone.img_size': (64, 64)})])
 def test_transformer_upernets_reuse_every_code_the_design_expects(name, options):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..codes import Codes
+from ..codes import Affine, Codes
 from ..host import reads_wait
 from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_grad
 from ..registry import mesa_layer
@@ -134,9 +134,13 @@ def affine_codes(packed: Packed, weight: torch.Tensor | None, bias: torch.Tensor
     """LayerNorm's output as the codes of its normalized input: the affine is per channel, so
     quantizing ``x_norm`` per channel and mapping the codes through it is quantizing the output
     per channel over the mapped range (one step times ``|weight|``), without a second copy.
-    The affine is copied (fp32), so an in-place update of the Parameters cannot change it."""
+    With one channel per group, the affine folds into the codes' own (``codes.Affine``);
+    otherwise it is applied to the decoded values, from a copy (fp32) that an in-place update of
+    the Parameters cannot change."""
     if weight is None and bias is None:
         return replace(packed, dtype=dtype)
+    if packed.group_size == 1 and all(t is None or t.dim() == 1 for t in (weight, bias)):
+        return Affine(packed, weight, bias, dtype)
     fp32 = [None if t is None else t.detach().to(torch.float32, copy=True) for t in (weight, bias)]
     return Mapped(packed, functools.partial(elementwise_affine, *fp32), dtype)
 
