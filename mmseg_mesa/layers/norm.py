@@ -11,7 +11,6 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..codes import Affine, Codes
-from ..host import reads_wait
 from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_grad
 from ..registry import mesa_layer
 from ..reuse import attach_codes
@@ -209,9 +208,9 @@ class MesaBatchNormFunction(torch.autograd.Function):
             # the input gradient overwrites the incoming one, decoded by chunks
             grads = batch_norm_backward_into(grad, packed, invstd, ctx.eps, weight, bias, needs)
         if grads is None:
-            x_norm = restandardized(unpack(packed, torch.float32), invstd, ctx.eps)
+            x_norm, spread = restandardized(unpack(packed, torch.float32), invstd, ctx.eps)
             grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight,
-                                           bias, NormSets.channels(), needs)
+                                           bias, NormSets.channels(), needs, spread=spread)
         grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
         grad_w, grad_b = scale_free.corrected_affine(exact, grad_w, grad_b, weight, bias)
         scale_free.leave(ctx, grad_x, grad_w, weight, invstd, ctx.eps)
@@ -229,23 +228,23 @@ def cast_grads(ctx: Any, grads: tuple, weight: torch.Tensor | None,
             None if grad_b is None else cast(grad_b, bias.dtype))
 
 
-def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
+def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decoded normalized input with the exact per-channel moments it had before
-    quantization (``standardize``); below ``FUSED_BACKWARD_BYTES`` through torch's fused
-    ``native_batch_norm``, whose weight is the target spread and whose epsilon only keeps a
-    constant channel finite (two full-size tensors alive), above it in place (one)."""
+    quantization (``standardize``), as ``(x, spread)``: ``x * spread`` has them (``spread``
+    per channel; None: ``x`` itself). Below ``FUSED_BACKWARD_BYTES``, ``x`` is torch's fused
+    ``native_batch_norm`` of the codes, whose epsilon only keeps a constant channel finite (two
+    full-size tensors alive), and ``spread`` the target standard deviation, which the fused
+    backward applies as its 1/std (``normalization_backward``) without another pass; above it,
+    ``x`` is re-standardized in place (one)."""
     if not fits_fused(decoded):
-        return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps)
+        return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps), None
     target = normalized_variance(invstd.reshape(-1), eps)
-    reliable = target >= RELIABLE_NORMALIZED_VARIANCE
     out, _, decoded_invstd = torch.native_batch_norm(
-        decoded, torch.where(reliable, target.sqrt(), 1.0), None, None, None, True, 0.0,
-        RESTANDARDIZE_EPS)
-    # those channels keep the codes' own spread (on a device without asking, which would wait)
-    if reads_wait(decoded) or not bool(reliable.all()):
-        out.mul_(torch.where(reliable, 1.0, decoded_invstd.reciprocal())
-                 .view(channel_shape(decoded)))
-    return out
+        decoded, None, None, None, None, True, 0.0, RESTANDARDIZE_EPS)
+    # unreliable channels keep the codes' own spread
+    return out, torch.where(target >= RELIABLE_NORMALIZED_VARIANCE, target.sqrt(),
+                            decoded_invstd.reciprocal())
 
 
 def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,
