@@ -52,15 +52,20 @@ def coded_bits(spec: QuantSpec) -> int:
 def pack(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, span: torch.Tensor
          ) -> Packed | Refined:
     """Quantize ``x`` with the given per-group ``lower``/``span`` (no state is touched)."""
+    packed = quantized(x, spec, lower, scale_from_span(span, coded_bits(spec)))
+    return refine(packed, x) if spec.bits == REFINED_BITS else packed
+
+
+def quantized(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, scale: torch.Tensor
+              ) -> Packed:
+    """``x``'s ``coded_bits(spec)``-bit codes over the given per-group ``lower`` and step."""
     group_dim = spec.group_dim % x.dim()
     bits = coded_bits(spec)
-    scale = scale_from_span(span, bits)
     x = x.contiguous()
     data = select_backend(x, spec.backend).quantize(
         x, lower, scale, bits, group_dim, spec.group_size, spec.stochastic, pack=True)
-    packed = Packed(data, lower, scale, x.shape, x.dtype, bits, group_dim, spec.group_size,
-                    spec.backend)
-    return refine(packed, x) if spec.bits == REFINED_BITS else packed
+    return Packed(data, lower, scale, x.shape, x.dtype, bits, group_dim, spec.group_size,
+                  spec.backend)
 
 
 def refine(packed: Packed | Refined, x: torch.Tensor) -> Refined:
@@ -73,7 +78,9 @@ def refine(packed: Packed | Refined, x: torch.Tensor) -> Refined:
     residual = x.detach().float() - unpack(packed, torch.float32)
     spec = QuantSpec(bits=8, group_dim=packed.group_dim, group_size=packed.group_size,
                      stochastic=False, backend=packed.backend)
-    return Refined(packed, pack(residual, spec, -packed.scale, 2 * packed.scale))
+    # the span of two coarse steps: its step is 2 * scale / 255 (scale_from_span's, a coarse
+    # step being positive), which scale / 127.5 rounds to exactly
+    return Refined(packed, quantized(residual, spec, -packed.scale, packed.scale / 127.5))
 
 
 def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
