@@ -154,9 +154,10 @@ def target(ctx: Any, grad: torch.Tensor) -> torch.Tensor | None:
 
 
 def _project(d: torch.Tensor, p: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``d`` (fp32, a row per channel) with its part along ``p`` set to ``target``."""
-    norms = (p * p).sum(1)
-    shift = torch.where(norms > 0, (target - (d * p).sum(1)) / norms.clamp_min(1e-30), 0.0)
+    """``d`` (fp32, a row per channel) with its part along ``p`` set to ``target``. A row of
+    ``p`` that is all zero leaves its row of ``d`` as it is: its shift, finite for any
+    target below 3e8, multiplies zeros."""
+    shift = (target - (d * p).sum(1)).div_((p * p).sum(1).clamp_min(1e-30))
     return d.add_(p * shift[:, None])
 
 
