@@ -133,9 +133,11 @@ class ActivationQuantizer(nn.Module):
         self.register_buffer('seen', torch.zeros(0, dtype=torch.bool), persistent=False)
         # the backend of each device it has run on ('cpu' for CPU: see backend_for)
         self._backends: dict[str | torch.device, QuantBackend] = {}
-        # how far a replay of attention logits from the codes it packs strays, as the host has
-        # received it (``attention_core.refined_heads``; training state, like the estimates)
+        # how far a replay of attention logits from the codes it packs strays, and of the
+        # scaled logits a softmax takes, as the host has received them
+        # (``attention_core.refined_heads``, ``recomputed_map.replays``; training state)
         self.replay_error = LateReading()
+        self.map_error = LateReading()
 
     def __getstate__(self) -> dict:
         # copies and pickles choose again where they run (that may be without the extension)

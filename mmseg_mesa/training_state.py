@@ -21,9 +21,10 @@ from .rounding import check_rounding_state, restore_rounding_state, rounding_sta
 
 STATE_FORMAT = 1
 ESTIMATES = ('lower', 'span', 'seen')
-# The replay error of attention operands the host has received (``host.LateReading``), beside
-# the estimates where one was measured (a 0-d fp64 tensor); a resumed run decides from it.
-READING = 'replay_error'
+# The replay errors of attention operands the host has received (``host.LateReading``s of the
+# quantizer), beside the estimates where one was measured (0-d fp64 tensors); a resumed run
+# decides from them.
+READINGS = ('replay_error', 'map_error')
 
 
 # Quantizers made lazily live under ``<module>.mesa_sites.<key>``.
@@ -39,15 +40,17 @@ def load_estimates(quantizer: ActivationQuantizer, values: dict[str, torch.Tenso
             buffer = getattr(quantizer, key)
             # in place: wrappers that hold the buffers keep valid references
             buffer.resize_(value.shape).copy_(value.to(device=device, dtype=buffer.dtype))
-    reading = values.get(READING)
-    quantizer.replay_error.restore(None if reading is None else float(reading))
+    for key in READINGS:
+        reading = values.get(key)
+        getattr(quantizer, key).restore(None if reading is None else float(reading))
 
 
 def _entry(quantizer: ActivationQuantizer) -> dict[str, torch.Tensor]:
     entry = {key: getattr(quantizer, key).detach().cpu().clone() for key in ESTIMATES}
-    reading = quantizer.replay_error.state()
-    if reading is not None:
-        entry[READING] = torch.tensor(reading, dtype=torch.float64)
+    for key in READINGS:
+        reading = getattr(quantizer, key).state()
+        if reading is not None:
+            entry[key] = torch.tensor(reading, dtype=torch.float64)
     return entry
 
 
@@ -57,10 +60,10 @@ def quantizers(model: nn.Module) -> dict[str, ActivationQuantizer]:
 
 
 def training_state(model: nn.Module) -> dict[str, Any]:
-    """``{'format', 'estimates': {quantizer name: {lower, span, seen[, replay_error]}},
+    """``{'format', 'estimates': {quantizer name: {lower, span, seen[, READINGS]}},
     'rounding'}``: every quantizer's estimates (CPU copies; empty where it has seen no batch, as
-    where the layer saves another layer's codes), the replay error it has received where it
-    measured one, and the rounding streams' positions."""
+    where the layer saves another layer's codes), the replay errors it has received where it
+    measured them, and the rounding streams' positions."""
     estimates = {name: _entry(quantizer) for name, quantizer in quantizers(model).items()}
     return {'format': STATE_FORMAT, 'estimates': estimates, 'rounding': rounding_state()}
 
@@ -98,15 +101,16 @@ def _check(state: Any) -> dict[str, Any]:
                          + (f' with keys {sorted(state)}' if isinstance(state, dict) else ''))
     for name, saved in state['estimates'].items():
         keys = set(saved) if isinstance(saved, dict) else set()
-        if not isinstance(saved, dict) or not set(ESTIMATES) <= keys <= {*ESTIMATES, READING} \
+        if not isinstance(saved, dict) or not set(ESTIMATES) <= keys <= {*ESTIMATES, *READINGS} \
                 or not all(isinstance(saved[k], torch.Tensor) for k in ESTIMATES) \
                 or len({saved[k].shape for k in ESTIMATES}) != 1 or saved['lower'].dim() != 1:
             raise ValueError(f'restore_training_state: the estimates of {name!r} are not three '
-                             f'1-D tensors {ESTIMATES} of one length (and a {READING!r})')
-        if READING in saved and not (isinstance(saved[READING], torch.Tensor)
-                                     and saved[READING].numel() == 1):
-            raise ValueError(f'restore_training_state: the {READING!r} of {name!r} is not one '
-                             f'number')
+                             f'1-D tensors {ESTIMATES} of one length (and {READINGS})')
+        for key in READINGS:
+            if key in saved and not (isinstance(saved[key], torch.Tensor)
+                                     and saved[key].numel() == 1):
+                raise ValueError(f'restore_training_state: the {key!r} of {name!r} is not one '
+                                 f'number')
     check_rounding_state(state['rounding'])
     return state
 

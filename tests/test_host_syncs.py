@@ -154,3 +154,42 @@ def test_the_syncs_a_step_makes_are_counted():
     count = count_step(lambda: (x.max().item(), bool(x.sum() > 0), x[x > 0], x.nonzero()))
     assert set(count.sync_names()) == {'_local_scalar_dense', 'index', 'nonzero'}
     assert count.sync_ops == 4 and count.kernel_ops > 0
+
+
+class OpByOpAttention(torch.nn.Module):
+    """Attention written op by op (``layers.recomputed_map``): logits times a learned per-head
+    temperature (XCiT's, EdgeNeXt's) or times a large number (T2T-ViT's sharp maps, which torch
+    keeps: ``recomputed_map.exact_map``)."""
+
+    def __init__(self, temperature: bool):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.temperature = torch.nn.Parameter(torch.rand(4, 1, 1) + 0.5) if temperature else None
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 4, -1).permute(2, 0, 3, 1, 4)
+        attn = q @ k.transpose(-2, -1)
+        attn = attn * self.temperature if self.temperature is not None else attn * 40.0
+        return (attn.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, n, c)
+
+
+@pytest.mark.parametrize('temperature', [True, False], ids=['temperature', 'sharp'])
+def test_attention_written_op_by_op_reads_nothing_back(temperature):
+    from mmseg_mesa.layers.intercept import MesaFunctional
+    torch.manual_seed(0)
+    ref = OpByOpAttention(temperature)
+    ours = copy.deepcopy(ref)
+    MesaFunctional.convert(ours, MesaConfig())
+    x = torch.randn(2, 16, 32)
+    ours(x).sum().backward()  # first calls read their own values
+    ours.zero_grad()
+    with device_path(), _no_syncs():
+        out = ours(x)
+        out.square().sum().backward()
+    expected = ref(x)
+    assert torch.equal(out, expected)
+    expected.square().sum().backward()
+    if not temperature:  # torch keeps the sharp map: the same gradients
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(),
+                                                               ref.parameters()))

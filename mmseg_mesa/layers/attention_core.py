@@ -174,12 +174,13 @@ def sampled_error(a_hat: torch.Tensor, b_hat: torch.Tensor, a: torch.Tensor, b: 
 _READINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def replay_reading(quantizer: Any) -> LateReading:
+def replay_reading(quantizer: Any, name: str = 'replay_error') -> LateReading:
     """Where the replay errors of the operands ``quantizer`` packs are received: the
-    quantizer's own (``ActivationQuantizer.replay_error``, kept in the training state)."""
-    reading = getattr(quantizer, 'replay_error', None)
+    quantizer's own (``ActivationQuantizer.replay_error``, or ``map_error`` for the map a
+    softmax makes of them; kept in the training state)."""
+    reading = getattr(quantizer, name, None)
     if reading is None:
-        reading = _READINGS.setdefault(quantizer, LateReading())
+        reading = _READINGS.setdefault(quantizer, {}).setdefault(name, LateReading())
     return reading
 
 

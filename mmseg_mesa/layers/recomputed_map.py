@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ..codes import is_codes
 from ..handoff import MAPS
+from ..host import LateReading
 from ..quantizer import ActivationQuantizer, Packed, Refined, refine, unpack
 from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
@@ -114,8 +115,10 @@ class Recipe:
     # how far the replay may stray from the forward's values: the largest difference measured
     # on sampled rows of the logits, times the gain of each step since; from 8-bit q and k even
     # where the source refined them (``attention_core.refined_heads``): it says how sharp the
-    # map is, which decides whether it is replayed at all
-    error: float = 0.0
+    # map is, which decides whether it is replayed at all; a 0-d tensor on the device once a
+    # step's gain is one (a tensor operand's extreme), read through ``reading``
+    error: float | torch.Tensor = 0.0
+    reading: LateReading | None = None
     # whether the source keeps q and k refined: ``attn @ v`` then refines v's codes too
     refined: bool = False
     # the product's operands, for ``exact_logits``
@@ -123,7 +126,7 @@ class Recipe:
     # a map torch's softmax keeps in full (``exact_logits``): ``attn @ v`` is left to torch too
     kept: bool = False
 
-    def then(self, step: str, argument: Any, gain: float = 1.0) -> Recipe:
+    def then(self, step: str, argument: Any, gain: float | torch.Tensor = 1.0) -> Recipe:
         return dataclasses.replace(self, steps=(*self.steps, (step, argument)),
                                    error=self.error * gain)
 
@@ -148,23 +151,31 @@ MAX_REPLAY_ERROR = 0.2
 
 
 def replays(recipe: Recipe | None) -> bool:
-    """Whether a softmax of logits with this recipe replays its map (else it packs it)."""
-    return recipe is not None and recipe.error <= MAX_REPLAY_ERROR
+    """Whether a softmax of logits with this recipe replays its map (else it packs it); an
+    error on the device as the host has received it (a call late)."""
+    if recipe is None:
+        return False
+    error = recipe.error
+    if isinstance(error, torch.Tensor):
+        error = recipe.reading.update(error)
+    return error <= MAX_REPLAY_ERROR
 
 
 def exact_logits(recipe: Recipe, x: torch.Tensor) -> torch.Tensor | None:
-    """``x``, logits with ``recipe``, recomputed by torch's ops from the product's live operands
-    (a graph of their own, which saves them in full), or None where that cannot give ``x``'s
-    values bit for bit: an operand gone or changed in place, a step with a tensor operand (its
-    gradient would be lost: recipes keep tensors detached).
+    """``x``, logits with ``recipe``, on a graph of torch's ops recomputed from the product's
+    live operands (which saves them in full): ``x``'s values (``ValuesOf``: the same ops on the
+    same operands, but no device is asked whether they agree), or None where that graph cannot
+    be made: an operand gone or changed in place, a step with an operand other than a number (a
+    tensor's gradient would be lost, codes are not its values: recipes keep tensors detached).
 
     For logits whose replay would stray (``replays``): so large that their maps are sharp
     (T2T-ViT's first layers: each row's largest entry 0.98), their gradient lies in the small
     entries and in small differences between similar tokens, which neither an 8-bit map nor
     8-bit q, k and v keep (T2T-ViT's gradient error 0.081 with its maps packed, 0.011 with its
     attention left to torch). Where this gives None the map is packed."""
-    if recipe.operands is None or any(isinstance(argument, torch.Tensor)
-                                      for step, argument in recipe.steps if step != 'reshape'):
+    if recipe.operands is None or any(not isinstance(argument, (int, float))
+                                      for step, argument in recipe.steps
+                                      if step not in ('reshape', 'softmax')):
         return None
     a, b = (operand.get() for operand in recipe.operands)
     if a is None or b is None:
@@ -172,7 +183,22 @@ def exact_logits(recipe: Recipe, x: torch.Tensor) -> torch.Tensor | None:
     y = torch.matmul(a, b)
     for step, argument in recipe.steps:
         y = STEPS[step](y, argument)
-    return y if y.shape == x.shape and y.dtype == x.dtype and torch.equal(y, x) else None
+    if y.shape != x.shape or y.dtype != x.dtype:
+        return None
+    return ValuesOf.apply(x.detach(), y)
+
+
+class ValuesOf(torch.autograd.Function):
+    """``values`` (no graph) with the gradient of ``graph``, a recomputation of them: the
+    forward's own values, whatever the recomputation rounds differently."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return None, grad
 
 
 # Why a softmax whose replay would stray leaves its attention to torch (``exact_map``).
@@ -219,7 +245,8 @@ def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, quantizer: 
     else:
         refined, error = False, replay_reading(quantizer).update(product_error(node, a, b))
     return Recipe(node, error=error, refined=refined,
-                  operands=(WeakOperand.of(a), WeakOperand.of(b)))
+                  operands=(WeakOperand.of(a), WeakOperand.of(b)),
+                  reading=replay_reading(quantizer, 'map_error'))
 
 
 def product_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -306,16 +333,16 @@ class MesaLogitsFunction(torch.autograd.Function):
         return grad_a, grad_b, None, None
 
 
-def step_gain(step: str, value: Any) -> float:
+def step_gain(step: str, value: Any) -> float | torch.Tensor:
     """How much a step can magnify a difference in the tensor it acts on: ``|c|`` for a product,
-    ``1 / |c|`` for a quotient (the extreme value of a tensor ``c``), 1 for a sum or a view."""
+    ``1 / |c|`` for a quotient (the extreme value of a tensor ``c``: 0-d, on its device), 1 for
+    a sum or a view."""
     if step not in ('mul', 'div'):
         return 1.0
-    magnitude = value.detach().abs() if isinstance(value, torch.Tensor) else abs(value)
-    if step == 'mul':
-        return float(magnitude.max()) if isinstance(magnitude, torch.Tensor) else magnitude
-    low = float(magnitude.min()) if isinstance(magnitude, torch.Tensor) else magnitude
-    return math.inf if low == 0 else 1 / low
+    if isinstance(value, torch.Tensor):
+        magnitude = value.detach().abs()
+        return magnitude.amax() if step == 'mul' else magnitude.amin().reciprocal()
+    return abs(value) if step == 'mul' else (math.inf if value == 0 else 1 / abs(value))
 
 
 def step_operand(value: Any, result: torch.Tensor,
