@@ -1,6 +1,7 @@
 """Constant tensors that backward formulas hand torch's kernels (a mean of 0 and a 1/std of 1 for
-each normalized set), kept once per device rather than filled at every call: on a GPU each fill
-is a kernel launch, and a norm's backward would make two of them per layer and step."""
+each normalized set, a zero to select with), kept once per device rather than filled at every
+call: on a GPU each fill is a kernel launch, and a norm's backward would make two of them per
+layer and step."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..state import CONSTANTS
+from .state import CONSTANTS
 
 
 def filled(value: float, shape: Sequence[int], like: torch.Tensor,

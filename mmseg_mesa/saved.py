@@ -14,6 +14,7 @@ import torch
 
 from ._backend import QuantBackend, select_backend
 from .codes import Codes, is_codes
+from .constants import filled
 from .handoff import SAVED_LABEL
 
 
@@ -51,7 +52,8 @@ class PackedMask:
     def select_(self, values: torch.Tensor) -> torch.Tensor:
         """``select`` written into ``values`` (shaped like the mask): one bool per element
         besides it, where ``select`` makes a second tensor of ``values``' size."""
-        return torch.where(self.unpack(), values, values.new_zeros(()), out=values)
+        return torch.where(self.unpack(), values, filled(0.0, (), values, values.dtype),
+                           out=values)
 
 
 Saveable = torch.Tensor | Codes | PackedMask | None

@@ -17,8 +17,9 @@ holds once for all models, and it is all here:
 - ``REUSE_COUNTERS``: the ``reuse.count_reuse`` blocks currently open.
 - ``KERNEL_CHECKS``: per device and backend, the result of holding the compiled kernels to the
   reference before their first use there (``selfcheck.verify_first_use``), so it runs once.
-- ``CONSTANTS``: per value, dtype and device, a buffer of that value that backward formulas hand
-  torch's kernels as constant moments (``layers.constants``), filled once rather than per call.
+- ``CONSTANTS``: per value, dtype and device, a buffer of that value (``constants``): constant
+  moments backward formulas hand torch's kernels, a zero to select with, filled once rather
+  than at every call.
 
 Two more live beside their types because they are of them: the extension's load state
 (``_backend.EXTENSION``: loaded once, with the reason when it cannot be) and the hand-off maps
@@ -37,4 +38,4 @@ SWAPPED_CLASSES: dict[tuple[type, type], type] = {}  # (Mesa class, subclass) ->
 ROUNDING_STREAMS: dict[Any, Any] = {}  # torch.device -> rounding stream
 REUSE_COUNTERS: list[Any] = []  # open count_reuse blocks: (counts, quantizer owners)
 KERNEL_CHECKS: dict[Any, Any] = {}  # (torch.device, backend name) -> selfcheck results
-CONSTANTS: dict[Any, Any] = {}  # (value, dtype, torch.device) -> layers.constants buffer
+CONSTANTS: dict[Any, Any] = {}  # (value, dtype, torch.device) -> constants buffer

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..constants import filled
 from .chunking import FUSED_BACKWARD_BYTES, channel_dot
-from .constants import filled
 
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
