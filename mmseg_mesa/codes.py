@@ -103,12 +103,22 @@ class Packed:
     group_dim: int  # non-negative
     group_size: int
     backend: str = 'auto'
+    # the dims of ``shape`` in the order the codes hold them (``x.permute(order)`` was packed,
+    # a dense tensor in another layout: a channels-last map, transposed tokens); None: as they
+    # are
+    order: tuple[int, ...] | None = None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.data, self.lower, self.scale
 
     def meta(self) -> tuple:
-        return self.shape, self.dtype, self.bits, self.group_dim, self.group_size, self.backend
+        return (self.shape, self.dtype, self.bits, self.group_dim, self.group_size, self.backend,
+                self.order)
+
+    @property
+    def stored_shape(self) -> torch.Size:
+        """The shape of the tensor the codes were made of (``shape`` in ``order``)."""
+        return self.shape if self.order is None else torch.Size(self.shape[d] for d in self.order)
 
     @classmethod
     def rebuild(cls, tensors: tuple[torch.Tensor, ...], meta: tuple) -> Packed:
@@ -116,13 +126,13 @@ class Packed:
 
     def sample_range(self, start: int, stop: int) -> Packed | None:
         """None where the samples are no whole-byte range of the data: groups along dim 0 (the
-        per-group affine would need slicing too) or sub-byte codes whose samples end inside a
-        byte."""
-        if self.group_dim == 0 or len(self.shape) < 2:
+        per-group affine would need slicing too), samples that are not outermost in the codes
+        (``order``) or sub-byte codes whose samples end inside a byte."""
+        if self.group_dim == 0 or len(self.shape) < 2 or (self.order or (0,))[0] != 0:
             return None
         per_sample = self.shape[1:].numel()
         if self.bits == 8:
-            data = self.data.view(self.shape)[start:stop]
+            data = self.data.view(self.stored_shape)[start:stop]
         elif per_sample * self.bits % 8 == 0:
             row_bytes = per_sample * self.bits // 8
             data = self.data[start * row_bytes:stop * row_bytes]

@@ -61,11 +61,29 @@ def quantized(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, scale: torc
     """``x``'s ``coded_bits(spec)``-bit codes over the given per-group ``lower`` and step."""
     group_dim = spec.group_dim % x.dim()
     bits = coded_bits(spec)
-    x = x.contiguous()
+    stored, order = in_memory_order(x)
     data = select_backend(x, spec.backend).quantize(
-        x, lower, scale, bits, group_dim, spec.group_size, spec.stochastic, pack=True)
+        stored, lower, scale, bits, stored_dim(group_dim, order), spec.group_size,
+        spec.stochastic, pack=True)
     return Packed(data, lower, scale, x.shape, x.dtype, bits, group_dim, spec.group_size,
-                  spec.backend)
+                  spec.backend, order)
+
+
+def in_memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """``x`` as the kernels read it, contiguous, and the order of its dims there: a dense
+    tensor in another layout (a channels-last map, transposed tokens) is read in its own
+    (``x.permute(order)``, no copy); any other, copied (``order`` None)."""
+    if not x.is_contiguous():
+        order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+        stored = x.permute(order)
+        if stored.is_contiguous():
+            return stored, order
+    return x.contiguous(), None
+
+
+def stored_dim(dim: int, order: tuple[int, ...] | None) -> int:
+    """Where dim ``dim`` of a tensor is in the tensor its codes were made of."""
+    return dim if order is None else order.index(dim)
 
 
 def refine(packed: Packed | Refined, x: torch.Tensor) -> Refined:
@@ -84,7 +102,8 @@ def refine(packed: Packed | Refined, x: torch.Tensor) -> Refined:
 
 
 def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Dequantize to the shape that was packed (contiguous), in ``dtype`` or the packed dtype.
+    """Dequantize to the shape that was packed, in ``dtype`` or the packed dtype: contiguous, or
+    in the layout of a dense tensor that was packed in its own (``Packed.order``).
 
     Backward formulas that compute in fp32 ask for fp32 directly, so a bf16 activation is not
     rounded to bf16 once more on the way back. ``Mapped`` codes are their source decoded in fp32
@@ -111,10 +130,11 @@ def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
         return coarse.add_(unpack(packed.fine, torch.float32)).to(dtype or packed.dtype)
     if not isinstance(packed, Packed):
         return packed.restore(dtype)
-    data = packed.data
-    return select_backend(data, packed.backend).dequantize(
-        data.contiguous(), packed.lower, packed.scale, packed.group_dim, packed.group_size,
-        dtype or packed.dtype, packed.bits, packed.shape)
+    data, order = packed.data, packed.order
+    out = select_backend(data, packed.backend).dequantize(
+        data.contiguous(), packed.lower, packed.scale, stored_dim(packed.group_dim, order),
+        packed.group_size, dtype or packed.dtype, packed.bits, packed.stored_shape)
+    return out if order is None else out.permute(sorted(range(out.dim()), key=order.__getitem__))
 
 
 class ActivationQuantizer(nn.Module):
@@ -192,11 +212,13 @@ class ActivationQuantizer(nn.Module):
         self._ensure_groups(spec.num_groups(x.shape[group_dim]), x)
         buffers = self._buffers  # not Module.__getattr__: every pack asks
         bits = coded_bits(spec)
+        stored, order = in_memory_order(x.detach())
         data, lower, scale = backend.observe_quantize(
-            x.detach().contiguous(), buffers['lower'], buffers['span'], buffers['seen'],
-            group_dim, spec.group_size, spec.ema_decay, bits, spec.stochastic, pack=True)
+            stored, buffers['lower'], buffers['span'], buffers['seen'],
+            stored_dim(group_dim, order), spec.group_size, spec.ema_decay, bits, spec.stochastic,
+            pack=True)
         packed = Packed(data, lower, scale, x.shape, x.dtype, bits, group_dim, spec.group_size,
-                        spec.backend)
+                        spec.backend, order)
         return refine(packed, x) if refined or spec.bits == REFINED_BITS else packed
 
     def pack_standardized(self, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
@@ -223,11 +245,13 @@ class ActivationQuantizer(nn.Module):
         bits = coded_bits(spec)
         mean = mean.detach().reshape(-1).float().contiguous()
         rstd = rstd.detach().reshape(-1).float().contiguous()
+        stored, order = in_memory_order(x.detach())
         data, lower, scale = self.backend_for(x).observe_quantize(
-            x.detach().contiguous(), buffers['lower'], buffers['span'], buffers['seen'],
-            group_dim, 1, spec.ema_decay, bits, spec.stochastic, pack=True, mean=mean, rstd=rstd)
+            stored, buffers['lower'], buffers['span'], buffers['seen'],
+            stored_dim(group_dim, order), 1, spec.ema_decay, bits, spec.stochastic, pack=True,
+            mean=mean, rstd=rstd)
         packed = Packed(data, lower, scale, x.shape, torch.float32, bits, group_dim, 1,
-                        spec.backend)
+                        spec.backend, order)
         if not refined and spec.bits != REFINED_BITS:
             return packed
         shape = [1] * x.dim()

@@ -307,6 +307,36 @@ def test_sample_range_refuses_what_it_cannot_slice():
     assert sample_range(by_sample, 0, 2) is None  # its groups are the samples
 
 
+@pytest.mark.parametrize('backend', ['torch', 'auto'])
+@pytest.mark.parametrize('bits', [8, 4])
+def test_a_dense_tensor_in_another_layout_is_packed_as_it_lies(backend, bits):
+    """A channels-last map or transposed tokens are packed in their own layout, without a
+    copy: the same codes as their contiguous copy would get, decoded to the same layout;
+    samples still slice where they are outermost, and a tensor that is not dense is copied."""
+    from mmseg_mesa.quantizer import sample_range
+    x = torch.randn(3, 8, 5, 4)
+    layouts = {'channels last': (x.to(memory_format=torch.channels_last), (0, 2, 3, 1)),
+               'tokens transposed': (x.flatten(2).transpose(1, 2), (0, 2, 1))}
+    for name, (view, order) in layouts.items():
+        q = ActivationQuantizer(spec(bits=bits, group_dim=1, group_size=1, backend=backend))
+        plain = ActivationQuantizer(spec(bits=bits, group_dim=1, group_size=1, backend=backend))
+        packed, copied = q.pack(view), plain.pack(view.contiguous())
+        assert packed.order == order and copied.order is None, name
+        assert packed.data.numel() == copied.data.numel()
+        decoded = unpack(packed)
+        assert decoded.stride() == view.stride(), name
+        assert torch.equal(decoded, unpack(copied)), name
+        part = sample_range(packed, 1, 3)
+        assert part is not None and torch.equal(unpack(part), decoded[1:3]), name
+    tokens_first = x.flatten(2).permute(2, 0, 1)  # (L, N, C) stored (N, C, L): samples inside
+    packed = ActivationQuantizer(spec(group_dim=-1, group_size=1)).pack(tokens_first)
+    assert packed.order == (1, 2, 0) and sample_range(packed, 0, 2) is None
+    strided = x[:, ::2]
+    packed = ActivationQuantizer(spec(group_dim=1, group_size=1)).pack(strided)
+    assert packed.order is None and torch.equal(unpack(packed), unpack(
+        ActivationQuantizer(spec(group_dim=1, group_size=1)).pack(strided.contiguous())))
+
+
 def test_batchnorm_backward_holds_two_full_size_tensors(monkeypatch):
     """MesaBatchNorm's backward holds the incoming gradient and one fp32 tensor (the decoded
     normalized input, turned into the input gradient in place); the channel sum of products is
