@@ -72,9 +72,12 @@ class MesaInProjectionFunction(torch.autograd.Function):
                 grad_inputs[i] = (grads[i] @ weights[i]).to(ctx.input_dtypes[i])
         grad_w = grad_b = None
         if ctx.needs_input_grad[3]:
-            xs = [unpack(packed[0])] * 3 if ctx.shared else [unpack(p) for p in packed]
-            grad_w = torch.cat([g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-                                for g, x in zip(grads, xs)]).to(weight.dtype)
+            # rows of the decoded inputs, made once where shared (codes kept in the layout of
+            # transposed tokens decode to it, and their rows are a copy)
+            xs = [unpack(p) for p in packed[:1 if ctx.shared else 3]]
+            rows = [x.reshape(-1, x.shape[-1]) for x in xs] * (3 if ctx.shared else 1)
+            grad_w = torch.cat([g.reshape(-1, g.shape[-1]).t() @ x for g, x in zip(grads, rows)]
+                               ).to(weight.dtype)
         if ctx.needs_input_grad[4]:
             grad_b = torch.cat([g.reshape(-1, g.shape[-1]).sum(0) for g in grads])
             grad_b = grad_b.to(weight.dtype)
