@@ -14,9 +14,16 @@ the ground truth a block of masks at a time, straight from ``gt_instances.masks`
 sampler is handed the sampled ground truth (``masks`` of shape (num_gts, num_points)) in place of
 the full masks: ``MaskPseudoSampler`` reads only their number and indexes them for its
 ``pos_gt_masks``, which the loss does not use. ``supports_point_losses`` says when that holds.
+
+The matching (``point_targets``: assignment, sampling, the class targets) is its own step, whose
+small result (``PointTargets``, no masks) the recomputation of the loss in backward reuses: the
+assigner runs once per layer and step, as in mmdet. Beyond the assigner's and the sampler's own,
+neither step reads a value on the host: the positive queries are picked by index rather than by
+a bool mask, and the loss's ``avg_factor`` is clamped on the device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +65,32 @@ def sampled_masks(masks: Tensor, points: Tensor, rows: Tensor | None = None) -> 
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+@dataclass(frozen=True)
+class PointTargets:
+    """What one decoder layer's loss reads of its matching, for the whole batch: the part of
+    mmdet's ``_loss_by_feat_single`` (and ``get_targets``) that gives no gradient, kept small
+    (no masks) so that the recomputation in backward can reuse it (``RecomputedLoss``'s
+    ``targets_fn``) rather than match again.
+
+    Attributes:
+        labels: (batch * num_queries,) the class of each query, ``num_classes`` where unmatched.
+        label_weights: (batch * num_queries,) ones.
+        class_avg_factor: ``loss_cls``'s ``avg_factor``, ``class_weight[labels].sum()``.
+        matched_gts: per image, the gt index of each positive query, in ascending query order.
+        positive_rows: the positive queries' rows of ``mask_preds.flatten(0, 1)``, in the order
+            of ``mask_preds[mask_weights > 0]`` (image by image, ascending query).
+        num_total_masks: (1,) the dice and mask losses' ``avg_factor``, at least 1, on the
+            device: mmdet's ``max(num_total_masks, 1)`` without reading it on the host.
+    """
+
+    labels: Tensor
+    label_weights: Tensor
+    class_avg_factor: Tensor
+    matched_gts: tuple[Tensor, ...]
+    positive_rows: Tensor
+    num_total_masks: Tensor
+
+
 def point_targets_single(head: Any, cls_score: Tensor, mask_pred: Tensor,
                          gt_instances: Any, img_meta: dict) -> tuple[Tensor, ...]:
     """One image's targets, following mmdet 3.3.0's ``Mask2FormerHead._get_targets_single``,
@@ -65,7 +98,7 @@ def point_targets_single(head: Any, cls_score: Tensor, mask_pred: Tensor,
 
     Returns:
         ``labels``, ``label_weights``, ``matched_gts`` (the gt index of each positive query, in
-        the order of ``pos_inds``), ``mask_weights`` and the sampling result's ``avg_factor``.
+        the order of ``pos_inds``), ``pos_inds`` and the sampling result's ``avg_factor``.
     """
     from mmcv.ops import point_sample
     from mmengine.structures import InstanceData
@@ -90,36 +123,57 @@ def point_targets_single(head: Any, cls_score: Tensor, mask_pred: Tensor,
     labels = gt_labels.new_full((head.num_queries,), head.num_classes, dtype=torch.long)
     labels[pos_inds] = gt_labels[matched_gts]
     label_weights = gt_labels.new_ones((head.num_queries,))
-    mask_weights = mask_pred.new_zeros((head.num_queries,))
-    mask_weights[pos_inds] = 1.0
-    return labels, label_weights, matched_gts, mask_weights, sampling_result.avg_factor
+    return labels, label_weights, matched_gts, pos_inds, sampling_result.avg_factor
+
+
+def point_targets(head: Any, cls_scores: Tensor, mask_preds: Tensor, batch_gt_instances: list,
+                  batch_img_metas: list) -> PointTargets:
+    """One decoder layer's matching for the whole batch (mmdet 3.3.0's ``get_targets`` and the
+    target steps of ``_loss_by_feat_single``), drawing what mmdet's draws before its loss's
+    points. Reads no value on the host but through the assigner and the sampler."""
+    from mmdet.utils import reduce_mean
+    num_queries = cls_scores.shape[1]
+    labels, label_weights, matched_gts, positive_rows, avg_factor = [], [], [], [], 0
+    for i, (gt_instances, img_meta) in enumerate(zip(batch_gt_instances, batch_img_metas)):
+        image_labels, image_weights, image_matched, pos_inds, image_avg_factor = \
+            point_targets_single(head, cls_scores[i], mask_preds[i], gt_instances, img_meta)
+        labels.append(image_labels)
+        label_weights.append(image_weights)
+        matched_gts.append(image_matched)
+        positive_rows.append(pos_inds + i * num_queries if i else pos_inds)
+        avg_factor += image_avg_factor
+    labels = torch.stack(labels, dim=0).flatten(0, 1)
+    class_weight = cls_scores.new_tensor(head.class_weight)
+    num_total_masks = reduce_mean(cls_scores.new_tensor([avg_factor]))
+    return PointTargets(
+        labels=labels, label_weights=torch.stack(label_weights, dim=0).flatten(0, 1),
+        class_avg_factor=class_weight[labels].sum(), matched_gts=tuple(matched_gts),
+        positive_rows=torch.cat(positive_rows), num_total_masks=num_total_masks.clamp(min=1))
 
 
 def point_losses(head: Any, cls_scores: Tensor, mask_preds: Tensor, batch_gt_instances: list,
-                 batch_img_metas: list) -> tuple[Tensor, Tensor, Tensor]:
+                 batch_img_metas: list, targets: PointTargets | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """``loss_cls``, ``loss_mask`` and ``loss_dice`` of one decoder layer, following mmdet
     3.3.0's ``Mask2FormerHead._loss_by_feat_single`` (and ``MaskFormerHead.get_targets``) op for
-    op, the ground truth sampled a block of masks at a time (module docstring)."""
+    op, the ground truth sampled a block of masks at a time (module docstring).
+
+    Args:
+        targets: the layer's matching (``point_targets``), where the caller has it already.
+            Defaults to None (matched here).
+    """
     from mmcv.ops import point_sample
     from mmdet.models.utils import get_uncertain_point_coords_with_randomness
-    from mmdet.utils import reduce_mean
-    targets = [point_targets_single(head, cls_scores[i], mask_preds[i], gt_instances, img_meta)
-               for i, (gt_instances, img_meta)
-               in enumerate(zip(batch_gt_instances, batch_img_metas))]
-    labels, label_weights, matched_gts, mask_weights, avg_factors = zip(*targets)
-    labels = torch.stack(labels, dim=0).flatten(0, 1)
-    label_weights = torch.stack(label_weights, dim=0).flatten(0, 1)
-    mask_weights = torch.stack(mask_weights, dim=0)
-    avg_factor = sum(avg_factors)
-
+    if targets is None:
+        targets = point_targets(head, cls_scores, mask_preds, batch_gt_instances,
+                                batch_img_metas)
     cls_scores = cls_scores.flatten(0, 1)
-    class_weight = cls_scores.new_tensor(head.class_weight)
-    loss_cls = head.loss_cls(cls_scores, labels, label_weights,
-                             avg_factor=class_weight[labels].sum())
-    num_total_masks = max(reduce_mean(cls_scores.new_tensor([avg_factor])), 1)
+    loss_cls = head.loss_cls(cls_scores, targets.labels, targets.label_weights,
+                             avg_factor=targets.class_avg_factor)
 
-    mask_preds = mask_preds[mask_weights > 0]
-    if sum(m.numel() for m in matched_gts) == 0:
+    # mmdet's mask_preds[mask_weights > 0], by index: a bool mask would be read on the host
+    mask_preds = mask_preds.flatten(0, 1)[targets.positive_rows]
+    if targets.positive_rows.numel() == 0:
         loss_dice = mask_preds.sum()
         loss_mask = mask_preds.sum()
         return loss_cls, loss_mask, loss_dice
@@ -130,7 +184,7 @@ def point_losses(head: Any, cls_scores: Tensor, mask_preds: Tensor, batch_gt_ins
             head.importance_sample_ratio)
         # the matched masks of each image at their rows' points, in mask_preds' order
         mask_point_targets, start = [], 0
-        for gt_instances, rows in zip(batch_gt_instances, matched_gts):
+        for gt_instances, rows in zip(batch_gt_instances, targets.matched_gts):
             stop = start + rows.numel()
             mask_point_targets.append(
                 sampled_masks(gt_instances.masks, points_coords[start:stop], rows))
@@ -138,6 +192,7 @@ def point_losses(head: Any, cls_scores: Tensor, mask_preds: Tensor, batch_gt_ins
         mask_point_targets = torch.cat(mask_point_targets)
     mask_point_preds = point_sample(mask_preds.unsqueeze(1), points_coords).squeeze(1)
 
+    num_total_masks = targets.num_total_masks
     loss_dice = head.loss_dice(mask_point_preds, mask_point_targets, avg_factor=num_total_masks)
     loss_mask = head.loss_mask(mask_point_preds.reshape(-1), mask_point_targets.reshape(-1),
                                avg_factor=num_total_masks * head.num_points)

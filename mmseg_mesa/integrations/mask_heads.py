@@ -7,7 +7,8 @@ autograd keeps the sampled logits, the grids and every intermediate of the losse
 the ten decoder layers: most of what Mask2Former saves at small crops (docs/benchmarks.md).
 ``_loss_by_feat_single`` runs through ``RecomputedLoss`` instead: forward keeps the layer's class
 scores and mask logits, backward runs the same code again from the same random state (the same
-points, the same matching), so the gradients are exact.
+points), so the gradients are exact. Mask2Former's matching (Hungarian assignment and sampling,
+not differentiable) runs once, in forward, and backward reuses it, as mmdet matches once a step.
 
 Mask2Former's layer loss also reads the ground truth only at points, and runs as
 ``mask2former_loss.point_losses``: the same values without full-resolution float copies of the
@@ -17,11 +18,19 @@ losses read only through ``.float()``.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..layers.base import MesaModule
 from ..layers.recompute import recomputed_losses
-from .mask2former_loss import LOSS_NAMES, point_losses, supports_point_losses
+from .mask2former_loss import (
+    LOSS_NAMES,
+    PointTargets,
+    point_losses,
+    point_targets,
+    supports_point_losses,
+)
 
 
 class MesaMaskLoss:
@@ -34,15 +43,26 @@ class MesaMaskLoss:
             return super()._loss_by_feat_single(  # type: ignore[misc]
                 cls_scores, mask_preds, batch_gt_instances, batch_img_metas)
 
-        def losses(scores: torch.Tensor, masks: torch.Tensor) -> dict[str, torch.Tensor]:
-            return dict(zip(LOSS_NAMES, self._mesa_layer_loss(
-                scores, masks, batch_gt_instances, batch_img_metas)))
+        def targets(scores: torch.Tensor, masks: torch.Tensor) -> Any:
+            return self._mesa_layer_targets(scores, masks, batch_gt_instances, batch_img_metas)
 
-        result = recomputed_losses(losses, cls_scores, mask_preds)
+        def losses(found: Any, scores: torch.Tensor, masks: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+            return dict(zip(LOSS_NAMES, self._mesa_layer_loss(
+                scores, masks, batch_gt_instances, batch_img_metas, found)))
+
+        result = recomputed_losses(losses, cls_scores, mask_preds, targets_fn=targets)
         return tuple(result[name] for name in LOSS_NAMES)
 
+    def _mesa_layer_targets(self, cls_scores: torch.Tensor, mask_preds: torch.Tensor,
+                            batch_gt_instances: list, batch_img_metas: list) -> Any:
+        """The layer's matching, computed once a step (in forward) and handed to both runs of
+        ``_mesa_layer_loss``: None here, where the head's own loss matches in each (mmdet's
+        targets hold full-resolution masks, too large to keep from forward to backward)."""
+        return None
+
     def _mesa_layer_loss(self, cls_scores: torch.Tensor, mask_preds: torch.Tensor,
-                         batch_gt_instances: list, batch_img_metas: list
+                         batch_gt_instances: list, batch_img_metas: list, targets: Any
                          ) -> tuple[torch.Tensor, ...]:
         """The layer's loss that ``RecomputedLoss`` runs: the head's own."""
         return super()._loss_by_feat_single(  # type: ignore[misc]
@@ -51,15 +71,24 @@ class MesaMaskLoss:
 
 class MesaMask2FormerLoss(MesaMaskLoss):
     """Mask2Former's per-layer loss recomputed, sampling its ground truth a block of masks at a
-    time (``mask2former_loss.point_losses``) where the head's sampler allows it."""
+    time (``mask2former_loss.point_losses``) where the head's sampler allows it, and matching
+    once a step: backward reuses the forward's ``point_targets``."""
+
+    def _mesa_layer_targets(self, cls_scores: torch.Tensor, mask_preds: torch.Tensor,
+                            batch_gt_instances: list, batch_img_metas: list
+                            ) -> PointTargets | None:
+        if supports_point_losses(self) is not None:
+            return None
+        return point_targets(self, cls_scores, mask_preds, batch_gt_instances, batch_img_metas)
 
     def _mesa_layer_loss(self, cls_scores: torch.Tensor, mask_preds: torch.Tensor,
-                         batch_gt_instances: list, batch_img_metas: list
-                         ) -> tuple[torch.Tensor, ...]:
-        if supports_point_losses(self) is not None:
+                         batch_gt_instances: list, batch_img_metas: list,
+                         targets: PointTargets | None) -> tuple[torch.Tensor, ...]:
+        if targets is None:
             return super()._mesa_layer_loss(cls_scores, mask_preds, batch_gt_instances,
-                                            batch_img_metas)
-        return point_losses(self, cls_scores, mask_preds, batch_gt_instances, batch_img_metas)
+                                            batch_img_metas, targets)
+        return point_losses(self, cls_scores, mask_preds, batch_gt_instances, batch_img_metas,
+                            targets)
 
 
 class MesaSegMask2FormerLoss(MesaMask2FormerLoss):
@@ -79,9 +108,13 @@ class MesaSegMask2FormerLoss(MesaMask2FormerLoss):
         for data_sample in batch_data_samples:
             batch_img_metas.append(data_sample.metainfo)
             gt_sem_seg = data_sample.gt_sem_seg.data
-            classes = torch.unique(gt_sem_seg, sorted=False, return_inverse=False,
-                                   return_counts=False)
-            gt_labels = classes[classes != self.ignore_index]  # type: ignore[attr-defined]
+            # mmseg's classes[classes != ignore_index] without a bool mask, which the host
+            # would read: with ignore_index made present, it is the one value of the unique
+            # ones to drop, and a stable sort moves it last (the labels keep their order)
+            ignored = gt_sem_seg.new_full((1,), self.ignore_index)  # type: ignore[attr-defined]
+            classes = torch.unique(torch.cat([gt_sem_seg.flatten(), ignored]), sorted=False,
+                                   return_inverse=False, return_counts=False)
+            gt_labels = classes[torch.argsort(classes == ignored, stable=True)[:-1]]
             # (num_gts, 1, H, W) -> (num_gts, H, W), as mmseg stacks one mask per label
             labels_at = gt_labels.view(-1, *[1] * gt_sem_seg.dim())
             gt_masks = (gt_sem_seg.unsqueeze(0) == labels_at).squeeze(1)
