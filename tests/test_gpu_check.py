@@ -57,13 +57,16 @@ def test_summary_says_what_ran_and_what_is_cuda_only(dry_run):
     status = {name: step['status'] for name, step in summary['steps'].items()}
     assert status == {'env': 'passed', 'install': 'skipped', 'mmcv': 'passed',
                       'build_ext': 'skipped', 'tests': 'passed', 'tests_cuda_default': 'passed',
-                      'kernels': 'skipped', 'memory_b2': 'passed', 'train': 'passed',
-                      'end': 'done'}
+                      'kernels': 'skipped', 'syncs': 'passed', 'memory_b2': 'passed',
+                      'train': 'passed', 'end': 'done'}
     assert summary['result']['failed'] == [] and summary['result']['timed_out'] == []
     assert 'refused without a GPU' in summary['steps']['kernels']['note']
     assert summary['acceptance'] == {}  # no GPU figures from a CPU run
     log = (out / 'gpu_check.log').read_text()
-    for step in ('env', 'tests', 'tests_cuda_default', 'memory_b2', 'train_fp32', 'load_plain'):
+    assert summary['figures']['syncs']['added_syncs'] == 0  # the dispatcher's count on CPU
+    assert summary['figures']['syncs']['kernel_ratio'] > 1
+    for step in ('env', 'tests', 'tests_cuda_default', 'syncs', 'memory_b2', 'train_fp32',
+                 'load_plain'):
         assert f'[{step}] ' in log, step
 
 

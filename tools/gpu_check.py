@@ -26,6 +26,10 @@ Steps, in order of value; each has its own timeout and all end within ``--budget
                       the GPU, so their modules and tensors live there and backend='auto' takes
                       the kernels (less CPU autocast's; tests.xml)
   kernels             tools/benchmark_kernels.py (kernels.json)
+  syncs               tools/benchmark_speed.py --count on Swin-T UPerNet 512x512, batch 2:
+                      kernel ops and host syncs of one forward + backward, CUDA's own
+                      synchronizing-call reports, step times in turn; Mesa adds no sync
+                      (syncs.json)
   memory_bN           tools/benchmark_memory.py on Swin-T UPerNet 512x512: baseline and the
                       default preset in fp32 and AMP, batch 2 before the training run and 8
                       after it (memory.json; the ratios and their limits in summary.json)
@@ -35,7 +39,7 @@ Steps, in order of value; each has its own timeout and all end within ``--budget
   memory_presets_bN   the other presets in fp32 and AMP at both batches (into memory.json)
 
 summary.json is rewritten at every step's start and end, gpu_check.log gets every line as it
-comes, so a run killed at its limit still leaves what it did. OUT gets these 7 files and the
+comes, so a run killed at its limit still leaves what it did. OUT gets these 8 files and the
 mmcv wheel when one was built there (carry it next time: put it in .gpu-wheels/; --file-limit-mib
 leaves out a larger one, for a machine that returns only small files).
 
@@ -46,7 +50,8 @@ both runs.
 The dry run is the same code on CPU with tiny sizes. It installs and builds nothing (the .venv
 has it all and is shared), runs three tests of test_extension.py (their CPU cases run, their
 CUDA cases skip) and one quantizer test through the default-device plugin, expects
-benchmark_kernels.py to refuse without a GPU, runs tools/benchmark_memory.py on CPU on the demo
+benchmark_kernels.py to refuse without a GPU, counts the demo model's ops and syncs on CPU
+(benchmark_speed.py --count), runs tools/benchmark_memory.py on CPU on the demo
 model (64x64, batch 2, three modes), trains without --amp (mmengine's AmpOptimWrapper needs a
 GPU) and loads the checkpoint into the plain model but does not run tools/test.py.
 """

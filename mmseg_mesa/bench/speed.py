@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -60,16 +61,36 @@ def dispatch_counts(models: dict[str, torch.nn.Module], batch: tuple, device: st
                     ) -> dict[str, dict]:
     """Per mode: kernel ops and host syncs of one forward + backward (``dispatch.step_counts``),
     their ratios to ``baseline``'s, the syncs it adds to the baseline's by op name, and its
-    syncs called from ``mmseg_mesa`` by site."""
+    syncs called from ``mmseg_mesa`` by site; on a GPU also the synchronizing calls CUDA itself
+    reports for one more step (``cuda_sync_warnings``)."""
     from .dispatch import added_syncs, step_counts
     counts = {mode: step_counts(model, batch, mode, device) for mode, model in models.items()}
     base = counts.get('baseline')
-    return {mode: dict(kernel_ops=c.kernel_ops, syncs=c.sync_ops,
-                       kernel_ratio=c.kernel_ops / base.kernel_ops if base else None,
-                       added_syncs=added_syncs(c, base) if base else None,
-                       mesa_sync_sites={f'{name} at {site}': n
-                                        for (name, site), n in c.mesa_syncs().items()})
-            for mode, c in counts.items()}
+    results = {mode: dict(kernel_ops=c.kernel_ops, syncs=c.sync_ops,
+                          kernel_ratio=c.kernel_ops / base.kernel_ops if base else None,
+                          added_syncs=added_syncs(c, base) if base else None,
+                          mesa_sync_sites={f'{name} at {site}': n
+                                           for (name, site), n in c.mesa_syncs().items()})
+               for mode, c in counts.items()}
+    if device == 'cuda':
+        for mode, model in models.items():
+            results[mode]['cuda_sync_warnings'] = cuda_sync_warnings(model, batch, mode)
+    return results
+
+
+def cuda_sync_warnings(model: torch.nn.Module, batch: tuple, mode: str) -> list[str]:
+    """The first line of each warning CUDA gives for a synchronizing call during one forward +
+    backward (``torch.cuda.set_sync_debug_mode('warn')``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')
+        try:
+            forward_loss(model, batch, mode, 'cuda').backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        model.zero_grad(set_to_none=True)
+    return [str(w.message).splitlines()[0] for w in caught
+            if 'synchroniz' in str(w.message).lower()]
 
 
 def format_counts(counts: dict[str, dict]) -> str:
@@ -78,7 +99,10 @@ def format_counts(counts: dict[str, dict]) -> str:
     for mode, entry in counts.items():
         ratio = f'{entry["kernel_ratio"]:.2f}x' if entry['kernel_ratio'] is not None else '-'
         added = sum((entry['added_syncs'] or {}).values())
+        cuda = entry.get('cuda_sync_warnings')
         lines.append(f'  {mode:<24} {entry["kernel_ops"]:6d} ops {ratio:>6}  '
-                     f'{entry["syncs"]:4d} syncs, {added} added')
+                     f'{entry["syncs"]:4d} syncs, {added} added'
+                     + (f'; CUDA reports {len(cuda)} synchronizing calls' if cuda is not None
+                        else ''))
         lines += [f'      {n} x {site}' for site, n in entry['mesa_sync_sites'].items()]
     return '\n'.join(lines)

@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None
                         help='the Python every step runs (default: this one)')
     parser.add_argument('--only', type=lambda v: v.split(','), default=None,
                         metavar='STEP,...', help='run only these of the steps after the set-up '
-                        '(tests, tests_cuda_default, kernels, train, memory_b2, memory_b8, '
+                        '(tests, tests_cuda_default, kernels, syncs, train, memory_b2, memory_b8, '
                         'memory_presets_b2, ...; memory or memory_presets: both batches): a '
                         'rerun; env, install, mmcv and build_ext always run (quick once done)')
     parser.add_argument('--mmcv-build-s', type=float, default=0, metavar='SECONDS',

@@ -69,6 +69,25 @@ def kernel_figures(path: Path) -> dict | None:
                 copy_gb_per_s=rows[0].get('copy_gb_per_s'))
 
 
+def sync_figures(path: Path) -> dict | None:
+    """``benchmark_speed.py --count``'s figures for Mesa against the baseline: kernel ops per
+    forward + backward, the syncing ops Mesa adds and where, CUDA's own reports of synchronizing
+    calls per mode (a GPU only) and the step time ratio."""
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    counts = results.get('counts', {})
+    if 'mesa' not in counts or 'baseline' not in counts:
+        return None
+    mesa = counts['mesa']
+    return dict(kernel_ratio=round(mesa['kernel_ratio'], 3),
+                added_syncs=sum(mesa['added_syncs'].values()), added=mesa['added_syncs'],
+                mesa_sync_sites=mesa['mesa_sync_sites'],
+                cuda_sync_warnings={mode: len(c['cuda_sync_warnings']) for mode, c in
+                                    counts.items() if c.get('cuda_sync_warnings') is not None},
+                step_time_ratio=results['modes']['mesa']['ratio'])
+
+
 def memory_figures(results: dict) -> dict:
     """The default preset against the baseline, in fp32 and AMP (against AMP alone).
 

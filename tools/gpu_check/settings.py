@@ -16,7 +16,7 @@ PLAIN_DEMO = 'configs/demo/swin-mini_upernet_demo.py'
 # largest file copied there otherwise (--file-limit-mib; default none: a built mmcv wheel, to
 # carry next time).
 OUT_FILES = ('summary.json', 'gpu_check.log', 'env.json', 'tests.xml', 'kernels.json',
-             'memory.json', 'train.json')
+             'syncs.json', 'memory.json', 'train.json')
 FILE_LIMIT_MIB = None
 
 # No network is assumed: mmcv comes as a carried sdist. The extension is built for the visible
@@ -54,6 +54,7 @@ class Sizes:
     memory_config: str
     memory_batches: tuple[int, ...]
     memory_iters: int | None             # None: benchmark_memory's default
+    speed_iters: int                     # benchmark_speed's timed rounds (the syncs step)
     memory_modes: tuple[str, ...]        # measured at each batch; the limits compare these
     memory_presets: bool                 # then every other preset, with and without AMP
     train_iters: int
@@ -69,12 +70,12 @@ LAYER_TESTS = ('tests/test_layers.py', 'tests/test_division.py', 'tests/test_qua
 # (tests/conftest.py ``drawn``), so every other layer test runs.
 CPU_ONLY_TESTS = ('test_autocast',)
 GPU = Sizes(test_files=('tests/test_extension.py',), cuda_default_files=LAYER_TESTS,
-            memory_config=SWIN_T, memory_batches=(2, 8), memory_iters=None,
+            memory_config=SWIN_T, memory_batches=(2, 8), memory_iters=None, speed_iters=5,
             memory_modes=('baseline', 'mesa:default', 'amp', 'mesa:default+amp'),
             memory_presets=True, train_iters=20, train_batch=8, amp_dtypes=('float16', 'bfloat16'),
             test_tool=True,
             caps=dict(env=90, install=90, build_ext=300, tests=200, tests_cuda_default=150,
-                      kernels=150, memory=150, memory_presets=150, train=200))
+                      kernels=150, syncs=150, memory=150, memory_presets=150, train=200))
 # The test that holds the CUDA kernels' codes to the CPU kernels' (both roundings): its outcome
 # is the summary's `cpu_cuda_codes` acceptance entry.
 CROSS_DEVICE_TEST = 'test_cuda_and_cpu_kernels_give_the_same_codes'
@@ -82,9 +83,9 @@ DRY = Sizes(test_files=('tests/test_extension.py::test_arch_coverage',
                         'tests/test_extension.py::test_kernels_match_reference',
                         f'tests/test_extension.py::{CROSS_DEVICE_TEST}'),
             cuda_default_files=('tests/test_quantizer.py::test_mask_round_trip',),
-            memory_config=MESA_DEMO, memory_batches=(2,), memory_iters=1,
+            memory_config=MESA_DEMO, memory_batches=(2,), memory_iters=1, speed_iters=1,
             memory_modes=('baseline', 'mesa:default', 'amp'), memory_presets=False,
             train_iters=2, train_batch=2,
             amp_dtypes=(), test_tool=False,
             caps=dict(env=180, build_ext=120, tests=240, tests_cuda_default=120,
-                      kernels=120, memory=240, train=360))
+                      kernels=120, syncs=120, memory=240, train=360))

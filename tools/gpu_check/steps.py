@@ -15,6 +15,7 @@ from .results import (
     memory_figures,
     merge_junit,
     parse_last_json,
+    sync_figures,
 )
 from .runner import Check
 from .settings import (
@@ -154,6 +155,31 @@ def step_kernels(check: Check) -> None:
                   note=f'min of copy {figures["min_of_copy"]:.2f}' if figures else '')
 
 
+def step_syncs(check: Check) -> None:
+    """``benchmark_speed.py --count`` on the memory config at batch 2: kernel ops and host syncs
+    of one forward + backward per mode (the dispatcher's count; on the GPU also CUDA's own
+    reports, ``set_sync_debug_mode('warn')``) and the step times in turn. Mesa must add no
+    syncing op."""
+    wait_mmcv(check)
+    name = 'syncs'
+    if not check.begin(name, needs_s=40):
+        return
+    path = check.out / 'syncs.json'
+    cmd = [check.python, 'tools/benchmark_speed.py', check.sizes.memory_config, '--device',
+           'cpu' if check.dry else 'cuda', '--batch', '2', '--iters', str(check.sizes.speed_iters),
+           '--warmup', '1', '--count', '--json', str(path)]
+    rc, seconds, proc = check.run(name, cmd, check.timeout_for(name))
+    figures = sync_figures(path) if rc == 0 else None
+    if figures is not None:
+        check.summary['figures']['syncs'] = figures
+        if not check.dry:
+            check.summary['acceptance']['mesa_added_syncs'] = dict(
+                value=figures['added_syncs'], limit=0, holds=figures['added_syncs'] == 0)
+    check.outcome(name, rc, seconds, proc, ok=figures is not None and not figures['added_syncs'],
+                  note=(f'kernel ops {figures["kernel_ratio"]:.2f}x, '
+                        f'{figures["added_syncs"]} syncs added' if figures else 'no counts'))
+
+
 def step_memory(check: Check, name: str, batch: int, modes: list[str]) -> None:
     """One tools/benchmark_memory.py run; its modes join the batch's entry of memory.json
     (one run per group of modes: a run cut at its timeout loses only its own group)."""
@@ -195,7 +221,7 @@ def run_steps(check: Check) -> int:
     check.guarded('env', lambda: step_env(check))
     check.guarded('install', lambda: step_install(check))
     only = check.args.only
-    if only and not any(o.startswith(('memory', 'train')) for o in only):  # no mmseg
+    if only and not any(o.startswith(('memory', 'train', 'syncs')) for o in only):  # no mmseg
         check.finish('mmcv', 'skipped', 'no step in --only imports mmseg')
     else:
         check.guarded('mmcv', lambda: step_mmcv(check))
@@ -210,6 +236,7 @@ def run_steps(check: Check) -> int:
             check, 'tests_cuda_default', check.sizes.cuda_default_files,
             'cpu' if check.dry else 'cuda')),
         ('kernels', lambda: step_kernels(check)),
+        ('syncs', lambda: step_syncs(check)),
         (f'memory_b{first}', lambda: step_memory(check, f'memory_b{first}', first, modes)),
         ('train', lambda: step_train(check)),
         *[(f'memory_b{b}', lambda b=b: step_memory(check, f'memory_b{b}', b, modes))
