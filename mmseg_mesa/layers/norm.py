@@ -203,17 +203,19 @@ class MesaBatchNormFunction(torch.autograd.Function):
         if exact is not None:  # the affine part's gradient is corrected along itself
             needs = (needs[0], needs[1], True)
         grads = None
+        eps_share = ctx.eps * invstd.reshape(-1).float().square()  # eps / (var + eps)
         if (ctx.owned_grads[0] and grad.dtype == ctx.input_dtype == torch.float32
                 and not fits_fused(grad)):
             # the input gradient overwrites the incoming one, decoded by chunks
             grads = batch_norm_backward_into(grad, packed, invstd, ctx.eps, weight, bias, needs)
         if grads is None:
-            x_norm, spread = restandardized(unpack(packed, torch.float32), invstd, ctx.eps)
+            x_norm, spread = restandardized(unpack(packed, torch.float32), invstd, ctx.eps,
+                                            eps_share)
             grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight,
                                            bias, NormSets.channels(), needs, spread=spread)
         grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
         grad_w, grad_b = scale_free.corrected_affine(exact, grad_w, grad_b, weight, bias)
-        scale_free.leave(ctx, grad_x, grad_w, weight, invstd, ctx.eps)
+        scale_free.leave(ctx, grad_x, grad_w, weight, eps_share)
         return (grad_x, grad_w if ctx.needs_input_grad[1] else None,
                 grad_b if ctx.needs_input_grad[2] else None, None, None, None, None, None)
 
@@ -228,18 +230,19 @@ def cast_grads(ctx: Any, grads: tuple, weight: torch.Tensor | None,
             None if grad_b is None else cast(grad_b, bias.dtype))
 
 
-def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float,
+                   eps_share: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decoded normalized input with the exact per-channel moments it had before
     quantization (``standardize``), as ``(x, spread)``: ``x * spread`` has them (``spread``
     per channel; None: ``x`` itself). Below ``FUSED_BACKWARD_BYTES``, ``x`` is torch's fused
     ``native_batch_norm`` of the codes, whose epsilon only keeps a constant channel finite (two
     full-size tensors alive), and ``spread`` the target standard deviation, which the fused
     backward applies as its 1/std (``normalization_backward``) without another pass; above it,
-    ``x`` is re-standardized in place (one)."""
+    ``x`` is re-standardized in place (one). ``eps_share`` is ``eps * invstd**2`` per channel
+    (fp32), which the caller shares with ``scale_free.leave``."""
     if not fits_fused(decoded):
         return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps), None
-    target = normalized_variance(invstd.reshape(-1), eps)
+    target = (1.0 - eps_share).clamp_min(0.0)  # normalized_variance
     out, _, decoded_invstd = torch.native_batch_norm(
         decoded, None, None, None, None, True, 0.0, RESTANDARDIZE_EPS)
     # unreliable channels keep the codes' own spread

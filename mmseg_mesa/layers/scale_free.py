@@ -111,15 +111,14 @@ def _pass_to(link: Link, grad: torch.Tensor | None) -> None:
 
 
 def leave(ctx: Any, grad_x: torch.Tensor | None, grad_weight: torch.Tensor | None,
-          weight: torch.Tensor, invstd: torch.Tensor, eps: float) -> None:
+          weight: torch.Tensor, eps_share: torch.Tensor) -> None:
     """A BatchNorm's backward: leave the exact ``T`` (from its weight, its weight's gradient and
-    its 1/std) and the input gradient it returns."""
+    ``eps_share = eps / (var + eps)`` per channel, fp32) and the input gradient it returns."""
     link = getattr(ctx, 'scale_link', None)
     ctx.scale_link = None
     if link is None or grad_x is None or grad_weight is None:
         return
-    rstd = invstd.reshape(-1).float()
-    link.target = weight.detach().float() * grad_weight.float() * (eps * rstd * rstd)
+    link.target = (weight.detach().float() * grad_weight.float()).mul_(eps_share)
     _pass_to(link, grad_x)
 
 
@@ -157,7 +156,8 @@ def _project(d: torch.Tensor, p: torch.Tensor, target: torch.Tensor) -> torch.Te
     """``d`` (fp32, a row per channel) with its part along ``p`` set to ``target``. A row of
     ``p`` that is all zero leaves its row of ``d`` as it is: its shift, finite for any
     target below 3e8, multiplies zeros."""
-    shift = (target - (d * p).sum(1)).div_((p * p).sum(1).clamp_min(1e-30))
+    along, norms = (torch.stack((d, p)) * p).sum(-1)
+    shift = (target - along).div_(norms.clamp_min(1e-30))
     return d.add_(p * shift[:, None])
 
 
