@@ -126,9 +126,10 @@ def level_weight_grad(part: Packed, codes: FusedCodes, grad: torch.Tensor,
 def upsample_backward(upsample: Upsample, grad: torch.Tensor, shape: torch.Size,
                       dtype: torch.dtype) -> torch.Tensor:
     """The gradient of a level of ``shape`` from the gradient of its upsampling: autograd's own
-    backward of ``upsample``, run on a probe (only the level's shape matters)."""
+    backward of ``upsample``, run on a probe (only the level's shape matters: the upsampling is
+    linear, so its backward reads no value of the probe, which is left unfilled)."""
     with torch.enable_grad():
-        probe = torch.zeros(shape, dtype=dtype, device=grad.device, requires_grad=True)
+        probe = torch.empty(shape, dtype=dtype, device=grad.device, requires_grad=True)
         out = upsample(probe)
         (result,) = torch.autograd.grad(out, probe, grad.to(out.dtype))
     return result

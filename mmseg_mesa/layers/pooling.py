@@ -121,8 +121,9 @@ class MesaMaxPool2d(MesaModule, nn.MaxPool2d):
 class MesaLinearPoolFunction(torch.autograd.Function):
     """An average pooling that saves nothing: its backward does not read the input's values.
 
-    Backward runs the same pooling on a zero tensor of the input's shape and takes its gradient,
-    so the result is exactly torch's (the same kernel), under the autocast state of the forward.
+    Backward runs the same pooling on a probe of the input's shape and takes its gradient, so
+    the result is exactly torch's (the same kernel), under the autocast state of the forward;
+    the pooling is linear, so its backward reads no value of the probe, which is left unfilled.
     torch's adaptive / strided average pooling saves the whole input for that gradient.
     """
 
@@ -138,9 +139,8 @@ class MesaLinearPoolFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         shape, dtype, device, channels_last = ctx.input_meta
-        probe = torch.zeros(shape, dtype=dtype, device=device)
-        if channels_last:
-            probe = probe.contiguous(memory_format=torch.channels_last)
+        probe = torch.empty(shape, dtype=dtype, device=device, memory_format=(
+            torch.channels_last if channels_last else torch.contiguous_format))
         with torch.enable_grad(), replayed_autocast(ctx):
             probe.requires_grad_()
             (grad_x,) = torch.autograd.grad(ctx.pool(probe), probe, grad)

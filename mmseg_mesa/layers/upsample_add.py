@@ -39,9 +39,14 @@ class UpsampleAddFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         grad_coarse = None
         if ctx.needs_input_grad[1]:
+            blocks = sample_slices(grad.shape, grad.element_size())
+            if len(blocks) == 1:
+                grad_coarse = upsample_backward(ctx.upsample, grad, ctx.coarse_shape,
+                                                ctx.coarse_dtype)
+                return grad, grad_coarse, None
             grad_coarse = torch.empty(ctx.coarse_shape, dtype=ctx.coarse_dtype,
                                       device=grad.device)
-            for rows in sample_slices(grad.shape, grad.element_size()):
+            for rows in blocks:
                 grad_coarse[rows] = upsample_backward(ctx.upsample, grad[rows],
                                                       grad_coarse[rows].shape, ctx.coarse_dtype)
         return grad, grad_coarse, None
@@ -52,13 +57,14 @@ def upsample_add(levels: list[torch.Tensor], index: int, coarse: torch.Tensor,
     """``levels[index] + upsample(coarse)``, computed in ``levels[index]``'s storage (and
     ``levels[index]`` cleared) where only ``levels`` holds it and the in-place sum is the
     out-of-place one bit for bit: same shape, contiguous layouts, and the upsampled values already
-    in the finer level's dtype (autocast may change it: one channel of one sample is tried).
-    Out of place otherwise."""
+    in the finer level's dtype (an upsampling keeps its input's, but autocast may change it: there
+    one channel of one sample is tried). Out of place otherwise."""
     fine = levels[index]
     in_place = (fine.shape[:2] == coarse.shape[:2] and fine.device == coarse.device
                 and fine.is_contiguous() and coarse.is_contiguous() and coarse.numel() > 0
                 and not torch.is_inference_mode_enabled()
-                and upsample(coarse[:1, :1]).dtype == fine.dtype)
+                and (coarse.dtype if not torch.is_autocast_enabled(coarse.device.type)
+                     else upsample(coarse[:1, :1]).dtype) == fine.dtype)
     del fine
     if not in_place or not sole_reference(levels, index):
         return levels[index] + upsample(coarse)
