@@ -93,10 +93,11 @@ class CompactMask:
 
     @classmethod
     def two_valued(cls, is_high: torch.Tensor, low: float, high: float) -> CompactMask:
-        """The mask ``where(is_high, high, low)``, from its boolean form."""
+        """The mask ``where(is_high, high, low)``, from its boolean form (the two values filled
+        on the device: ``torch.tensor`` would copy them from the host, which waits)."""
         device = is_high.device
-        return cls(PackedMask.of(is_high), torch.tensor(low, device=device),
-                   torch.tensor(high, device=device), None)
+        return cls(PackedMask.of(is_high), torch.full((), low, device=device),
+                   torch.full((), high, device=device), None)
 
     def restore(self) -> torch.Tensor | None:
         if self.bits is None:
