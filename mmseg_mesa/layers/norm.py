@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..codes import Affine, Codes
+from ..constants import filled
 from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_grad
 from ..registry import mesa_layer
 from ..reuse import attach_codes
@@ -203,7 +204,8 @@ class MesaBatchNormFunction(torch.autograd.Function):
         if exact is not None:  # the affine part's gradient is corrected along itself
             needs = (needs[0], needs[1], True)
         grads = None
-        eps_share = ctx.eps * invstd.reshape(-1).float().square()  # eps / (var + eps)
+        rstd = invstd.reshape(-1).float()
+        eps_share = torch.addcmul(filled(0.0, (), rstd), rstd, rstd, value=ctx.eps)
         if (ctx.owned_grads[0] and grad.dtype == ctx.input_dtype == torch.float32
                 and not fits_fused(grad)):
             # the input gradient overwrites the incoming one, decoded by chunks
@@ -238,11 +240,12 @@ def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float,
     ``native_batch_norm`` of the codes, whose epsilon only keeps a constant channel finite (two
     full-size tensors alive), and ``spread`` the target standard deviation, which the fused
     backward applies as its 1/std (``normalization_backward``) without another pass; above it,
-    ``x`` is re-standardized in place (one). ``eps_share`` is ``eps * invstd**2`` per channel
-    (fp32), which the caller shares with ``scale_free.leave``."""
+    ``x`` is re-standardized in place (one). ``eps_share`` is ``eps / (var + eps) = eps *
+    invstd**2`` per channel (fp32), which the caller shares with ``scale_free.leave``."""
     if not fits_fused(decoded):
         return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps), None
-    target = (1.0 - eps_share).clamp_min(0.0)  # normalized_variance
+    # normalized_variance, unclamped: a channel below 0 by rounding is not reliable anyway
+    target = 1.0 - eps_share
     out, _, decoded_invstd = torch.native_batch_norm(
         decoded, None, None, None, None, True, 0.0, RESTANDARDIZE_EPS)
     # unreliable channels keep the codes' own spread

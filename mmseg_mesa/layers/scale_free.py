@@ -156,9 +156,9 @@ def _project(d: torch.Tensor, p: torch.Tensor, target: torch.Tensor) -> torch.Te
     """``d`` (fp32, a row per channel) with its part along ``p`` set to ``target``. A row of
     ``p`` that is all zero leaves its row of ``d`` as it is: its shift, finite for any
     target below 3e8, multiplies zeros."""
-    along, norms = (torch.stack((d, p)) * p).sum(-1)
+    along, norms = torch.bmm(p[:, None], torch.stack((d, p), 2))[:, 0].unbind(1)
     shift = (target - along).div_(norms.clamp_min(1e-30))
-    return d.add_(p * shift[:, None])
+    return d.addcmul_(p, shift[:, None])
 
 
 def corrected(ctx: Any, grad: torch.Tensor, grad_weight: torch.Tensor | None,
