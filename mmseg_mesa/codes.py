@@ -15,8 +15,8 @@ from typing import Any, Protocol, Self, TypeGuard, runtime_checkable
 
 import torch
 
-__all__ = ['Affine', 'Codes', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'is_codes', 'layout_of',
-           'rebuild_from', 'sample_range']
+__all__ = ['Affine', 'Codes', 'Mapped', 'Packed', 'QuantSpec', 'Refined', 'in_memory_order',
+           'inverse_order', 'is_codes', 'layout_of', 'rebuild_from', 'sample_range', 'stored_dim']
 
 
 @runtime_checkable
@@ -248,6 +248,28 @@ class Affine:
     def sample_range(self, start: int, stop: int) -> Affine | None:
         source = self.source.sample_range(start, stop)
         return None if source is None else replace(self, source=source)
+
+
+def in_memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """``x`` as the kernels read it, contiguous, and the order of its dims there: a dense
+    tensor in another layout (a channels-last map, transposed tokens) is read in its own
+    (``x.permute(order)``, no copy); any other, copied (``order`` None)."""
+    if not x.is_contiguous():
+        order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+        stored = x.permute(order)
+        if stored.is_contiguous():
+            return stored, order
+    return x.contiguous(), None
+
+
+def inverse_order(order: tuple[int, ...]) -> list[int]:
+    """The permutation that takes ``x.permute(order)`` back to ``x``."""
+    return sorted(range(len(order)), key=order.__getitem__)
+
+
+def stored_dim(dim: int, order: tuple[int, ...] | None) -> int:
+    """Where dim ``dim`` of a tensor is in the tensor its codes were made of."""
+    return dim if order is None else order.index(dim)
 
 
 def layout_of(codes: Any) -> tuple[type, int, Any]:

@@ -22,7 +22,18 @@ import torch
 from torch import nn
 
 from ._backend import QuantBackend, select_backend
-from .codes import Affine, Codes, Mapped, Packed, QuantSpec, Refined, sample_range
+from .codes import (
+    Affine,
+    Codes,
+    Mapped,
+    Packed,
+    QuantSpec,
+    Refined,
+    in_memory_order,
+    inverse_order,
+    sample_range,
+    stored_dim,
+)
 from .host import LateReading
 from .reference import ema_update, group_min_max, scale_from_span
 from .rounding import reset_rounding_generators, rounding_counter
@@ -67,23 +78,6 @@ def quantized(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, scale: torc
         spec.stochastic, pack=True)
     return Packed(data, lower, scale, x.shape, x.dtype, bits, group_dim, spec.group_size,
                   spec.backend, order)
-
-
-def in_memory_order(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
-    """``x`` as the kernels read it, contiguous, and the order of its dims there: a dense
-    tensor in another layout (a channels-last map, transposed tokens) is read in its own
-    (``x.permute(order)``, no copy); any other, copied (``order`` None)."""
-    if not x.is_contiguous():
-        order = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
-        stored = x.permute(order)
-        if stored.is_contiguous():
-            return stored, order
-    return x.contiguous(), None
-
-
-def stored_dim(dim: int, order: tuple[int, ...] | None) -> int:
-    """Where dim ``dim`` of a tensor is in the tensor its codes were made of."""
-    return dim if order is None else order.index(dim)
 
 
 def refine(packed: Packed | Refined, x: torch.Tensor) -> Refined:
@@ -134,7 +128,7 @@ def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
     out = select_backend(data, packed.backend).dequantize(
         data.contiguous(), packed.lower, packed.scale, stored_dim(packed.group_dim, order),
         packed.group_size, dtype or packed.dtype, packed.bits, packed.stored_shape)
-    return out if order is None else out.permute(sorted(range(out.dim()), key=order.__getitem__))
+    return out if order is None else out.permute(inverse_order(order))
 
 
 class ActivationQuantizer(nn.Module):

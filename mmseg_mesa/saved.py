@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ._backend import QuantBackend, select_backend
-from .codes import Codes, is_codes
+from .codes import Codes, in_memory_order, inverse_order, is_codes
 from .constants import filled
 from .handoff import SAVED_LABEL
 
@@ -27,27 +27,41 @@ def _mask_backend(t: torch.Tensor) -> QuantBackend:
 
 @dataclass
 class PackedMask:
-    """A boolean tensor stored as 1 bit per element (``bitpack``'s layout)."""
+    """A boolean tensor stored as 1 bit per element (``bitpack``'s layout), in the order of its
+    dims in memory where it was a dense tensor in another layout (``Packed.order``)."""
 
     data: torch.Tensor
     shape: torch.Size
+    order: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, mask: torch.Tensor) -> PackedMask:
-        return cls(_mask_backend(mask).pack_mask(mask), mask.shape)
+        stored, order = in_memory_order(mask)
+        return cls(_mask_backend(mask).pack_mask(stored), mask.shape, order)
 
     @classmethod
     def positive(cls, x: torch.Tensor) -> PackedMask:
         """The mask of ``x > 0`` (a ReLU's output), packed without the bool tensor on CPU."""
-        return cls(_mask_backend(x).pack_positive(x), x.shape)
+        stored, order = in_memory_order(x)
+        return cls(_mask_backend(x).pack_positive(stored), x.shape, order)
+
+    def _stored_shape(self) -> torch.Size:
+        return self.shape if self.order is None else torch.Size(self.shape[d] for d in self.order)
 
     def unpack(self) -> torch.Tensor:
-        return _mask_backend(self.data).unpack_mask(self.data, self.shape)
+        mask = _mask_backend(self.data).unpack_mask(self.data, self._stored_shape())
+        return mask if self.order is None else mask.permute(inverse_order(self.order))
 
     def select(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` where the mask is set, else 0 (``values`` shaped like the mask, or
         broadcasting against it)."""
-        return _mask_backend(values).mask_select(values, self.data, self.shape)
+        if self.order is None:
+            return _mask_backend(values).mask_select(values, self.data, self.shape)
+        stored = values.permute(self.order) if values.shape == self.shape else None
+        if stored is None or not stored.is_contiguous():  # not laid out as the mask
+            return torch.where(self.unpack(), values, filled(0.0, (), values, values.dtype))
+        return _mask_backend(values).mask_select(stored, self.data, stored.shape).permute(
+            inverse_order(self.order))
 
     def select_(self, values: torch.Tensor) -> torch.Tensor:
         """``select`` written into ``values`` (shaped like the mask): one bool per element
@@ -78,7 +92,7 @@ def save(ctx: Any, *items: Saveable, label: str | None = None) -> None:
             layout.append((type(item), len(tensors), item.meta()))
             flat.extend(tensors)
         elif isinstance(item, PackedMask):
-            layout.append(('mask', 1, item.shape))
+            layout.append(('mask', 1, (item.shape, item.order)))
             flat.append(item.data)
         else:
             layout.append(('tensor', 1, None))
@@ -102,7 +116,7 @@ def load(ctx: Any) -> list[Saveable]:
         if isinstance(kind, type):
             items.append(kind.rebuild(tuple(chunk), meta))
         elif kind == 'mask':
-            items.append(PackedMask(chunk[0], meta))
+            items.append(PackedMask(chunk[0], *meta))
         else:
             items.append(chunk[0])
     return items

@@ -337,6 +337,22 @@ def test_a_dense_tensor_in_another_layout_is_packed_as_it_lies(backend, bits):
         ActivationQuantizer(spec(group_dim=1, group_size=1)).pack(strided.contiguous())))
 
 
+def test_a_mask_of_a_dense_tensor_in_another_layout_is_packed_as_it_lies():
+    """``PackedMask`` of a channels-last map: its bits in the map's own order (no copy), and
+    unpack / select / select_ give what the contiguous map's mask gives, in the map's layout."""
+    from mmseg_mesa.saved import PackedMask
+    x = torch.randn(2, 6, 5, 3).to(memory_format=torch.channels_last)
+    grad = torch.randn(2, 6, 5, 3).to(memory_format=torch.channels_last)
+    for mask in (PackedMask.positive(x), PackedMask.of(x > 0)):
+        assert mask.order == (0, 2, 3, 1)
+        assert torch.equal(mask.unpack(), x > 0)
+        selected = mask.select(grad)
+        assert torch.equal(selected, torch.where(x > 0, grad, 0))
+        assert selected.stride() == grad.stride()
+        assert torch.equal(mask.select(grad.contiguous()), selected)  # other layout: still right
+        assert torch.equal(mask.select_(grad.clone()), selected)
+
+
 def test_batchnorm_backward_holds_two_full_size_tensors(monkeypatch):
     """MesaBatchNorm's backward holds the incoming gradient and one fp32 tensor (the decoded
     normalized input, turned into the input gradient in place); the channel sum of products is

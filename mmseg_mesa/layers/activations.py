@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..constants import filled
 from ..quantizer import ActivationQuantizer, Mapped, Packed, Refined, unpack
 from ..registry import mesa_layer
 from ..reuse import attach_codes
@@ -46,9 +47,11 @@ from .ownership import owned_gradients
 
 
 def gelu_derivative(x: torch.Tensor, approximate: str) -> torch.Tensor:
-    """GELU's derivative at ``x``, by torch's own backward kernel (in fp32 for fp16/bf16)."""
+    """GELU's derivative at ``x``, by torch's own backward kernel (in fp32 for fp16/bf16), its
+    incoming gradient a kept one broadcast over ``x`` (the result takes ``x``'s layout)."""
     x = comparable(x)
-    return torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate=approximate)
+    one = filled(1.0, (), x, x.dtype).expand(x.shape)
+    return torch.ops.aten.gelu_backward(one, x, approximate=approximate)
 
 
 class MesaGELUFunction(torch.autograd.Function):
