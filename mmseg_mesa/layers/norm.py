@@ -206,13 +206,16 @@ class MesaBatchNormFunction(torch.autograd.Function):
         grads = None
         rstd = invstd.reshape(-1).float()
         eps_share = torch.addcmul(filled(0.0, (), rstd), rstd, rstd, value=ctx.eps)
+        # normalized_variance, unclamped: a channel below 0 by rounding is not reliable anyway
+        target = (1.0 - eps_share).view_as(invstd)
         if (ctx.owned_grads[0] and grad.dtype == ctx.input_dtype == torch.float32
                 and not fits_fused(grad)):
             # the input gradient overwrites the incoming one, decoded by chunks
-            grads = batch_norm_backward_into(grad, packed, invstd, ctx.eps, weight, bias, needs)
+            grads = batch_norm_backward_into(grad, packed, invstd, ctx.eps, weight, bias, needs,
+                                             target)
         if grads is None:
             x_norm, spread = restandardized(unpack(packed, torch.float32), invstd, ctx.eps,
-                                            eps_share)
+                                            target)
             grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight,
                                            bias, NormSets.channels(), needs, spread=spread)
         grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
@@ -233,19 +236,22 @@ def cast_grads(ctx: Any, grads: tuple, weight: torch.Tensor | None,
 
 
 def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float,
-                   eps_share: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   target: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decoded normalized input with the exact per-channel moments it had before
     quantization (``standardize``), as ``(x, spread)``: ``x * spread`` has them (``spread``
     per channel; None: ``x`` itself). Below ``FUSED_BACKWARD_BYTES``, ``x`` is torch's fused
     ``native_batch_norm`` of the codes, whose epsilon only keeps a constant channel finite (two
     full-size tensors alive), and ``spread`` the target standard deviation, which the fused
     backward applies as its 1/std (``normalization_backward``) without another pass; above it,
-    ``x`` is re-standardized in place (one). ``eps_share`` is ``eps / (var + eps) = eps *
-    invstd**2`` per channel (fp32), which the caller shares with ``scale_free.leave``."""
+    ``x`` is re-standardized in place (one). ``target``, the variance each channel had
+    (``normalized_variance``, shaped like ``invstd``), where the caller has it."""
+    if target is None:
+        target = normalized_variance(invstd, eps)
     if not fits_fused(decoded):
-        return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps), None
-    # normalized_variance, unclamped: a channel below 0 by rounding is not reliable anyway
-    target = 1.0 - eps_share
+        return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps,
+                           target), None
+    target = target.reshape(-1)
     out, _, decoded_invstd = torch.native_batch_norm(
         decoded, None, None, None, None, True, 0.0, RESTANDARDIZE_EPS)
     # unreliable channels keep the codes' own spread
@@ -301,18 +307,19 @@ def pack_channel_normalized(x: torch.Tensor, mean: torch.Tensor, invstd: torch.T
 
 
 def standardize(x_norm: torch.Tensor, dims: list[int], invstd: torch.Tensor,
-                eps: float) -> torch.Tensor:
+                eps: float, target: torch.Tensor | None = None) -> torch.Tensor:
     """Restore the exact per-channel moments of ``(x - mean) * invstd`` after dequantization,
     in place on the freshly decoded ``x_norm``.
 
     Its mean is 0 and its variance ``var / (var + eps) = 1 - eps * invstd**2`` (well below 1 when
-    a channel's variance is small next to eps, as in PPM's pooled 1x1 branch).
+    a channel's variance is small next to eps, as in PPM's pooled 1x1 branch): ``target``
+    where the caller has it.
     """
     x_norm.sub_(x_norm.mean(dims, keepdim=True))
     # two passes (mean, then the centred values' mean square): torch's var_mean over every dim
     # but 1 is several times slower on CPU, and this is as accurate
     var = channel_dot(x_norm, x_norm, dims).div_(x_norm.numel() // x_norm.shape[1])
-    return x_norm.mul_(standardize_scale(var, invstd, eps))
+    return x_norm.mul_(standardize_scale(var, invstd, eps, target))
 
 
 # The least variance re-standardizing divides by (``standardize_scale`` clamps to it, the fused
@@ -334,14 +341,17 @@ def normalized_variance(invstd: torch.Tensor, eps: float) -> torch.Tensor:
 RELIABLE_NORMALIZED_VARIANCE = 1e-4
 
 
-def standardize_scale(var: torch.Tensor, invstd: torch.Tensor, eps: float) -> torch.Tensor:
-    """The factor that gives centred values of variance ``var`` the variance of ``x_norm`` (1
-    where that variance is below ``RELIABLE_NORMALIZED_VARIANCE``).
+def standardize_scale(var: torch.Tensor, invstd: torch.Tensor, eps: float,
+                      target: torch.Tensor | None = None) -> torch.Tensor:
+    """The factor that gives centred values of variance ``var`` the variance of ``x_norm``
+    (``target``: ``normalized_variance`` unless the caller has it; 1 where that variance is
+    below ``RELIABLE_NORMALIZED_VARIANCE``).
 
     Separate from ``standardize`` so that SyncBatchNorm can apply it with moments all-reduced
     over the process group.
     """
-    target = normalized_variance(invstd, eps)
+    if target is None:
+        target = normalized_variance(invstd, eps)
     scale = torch.sqrt(target / var.clamp_min(RESTANDARDIZE_EPS))
     return torch.where(target >= RELIABLE_NORMALIZED_VARIANCE, scale, 1.0)
 

@@ -34,10 +34,13 @@ def chunks_of(packed: Codes, shape: torch.Size) -> list[tuple[slice, Codes]] | N
 
 def batch_norm_backward_into(grad: torch.Tensor, packed: Codes, invstd: torch.Tensor,
                              eps: float, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                             needs: tuple[bool, bool, bool]) -> Grads | None:
+                             needs: tuple[bool, bool, bool], target: torch.Tensor | None = None
+                             ) -> Grads | None:
     """``normalization_backward`` for per-channel sets of the re-standardized codes
     (``MesaBatchNormFunction``), the input gradient written into the fp32 ``grad``; None where
-    the codes are not decoded by chunks (the caller runs the whole-tensor backward)."""
+    the codes are not decoded by chunks (the caller runs the whole-tensor backward).
+    ``target`` is the variance each channel had (``norm.normalized_variance``), where the caller
+    has it."""
     from .norm import standardize_scale
     chunks = chunks_of(packed, grad.shape)
     if chunks is None:
@@ -51,7 +54,7 @@ def batch_norm_backward_into(grad: torch.Tensor, packed: Codes, invstd: torch.Te
 
     mean = summed(x.sum(dims, keepdim=True) for _, x in decoded()).div_(count)
     var = summed(channel_dot(c, c, dims) for c in (x.sub_(mean) for _, x in decoded()))
-    scale = standardize_scale(var.div_(count), invstd, eps)
+    scale = standardize_scale(var.div_(count), invstd, eps, target)
 
     def normalized() -> Iterator[tuple[slice, torch.Tensor]]:
         for rows, x in decoded():
