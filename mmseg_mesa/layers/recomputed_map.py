@@ -193,6 +193,7 @@ class ValuesOf(torch.autograd.Function):
     forward's own values, whatever the recomputation rounds differently."""
 
     @staticmethod
+    @returns_owned
     def forward(ctx: Any, values: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
         return values.view_as(values)
 
