@@ -116,8 +116,10 @@ class MesaConfig:
             q, k and v keep a second 8-bit pass (about 16 bits; ``layers.attention_core.
             refined_heads``). Logits grow as training sharpens maps: DeiT-S UPerNet at 512x512
             with logits 16 times their initial size measured a gradient error of 0.069-0.099
-            with 8-bit operands, 0.0074 refined (docs/benchmarks.md). ``math.inf`` never
-            refines. Defaults to 0.05.
+            with 8-bit operands, 0.0074 refined (docs/benchmarks.md). Measured on the device at
+            every call and read by the host a call late (``host.LateReading``): a call refines
+            from the previous call's error, the first from its own. ``math.inf`` never refines
+            (and measures nothing). Defaults to 0.05.
         batchnorm_refine_below: A training-mode BatchNorm whose batch statistics run over fewer
             values per channel than this keeps its normalized input at about 16 bits (8-bit
             codes refined), the rest at ``bits``. Its backward sends each channel one sum of
