@@ -174,8 +174,19 @@ class Refined:
         return None if coarse is None or fine is None else Refined(coarse, fine)
 
 
+class OfSource:
+    """Codes that stand for a function of their ``source`` codes: the fields
+    ``attached_codes`` checks are the source's."""
+
+    shape = property(lambda self: self.source.shape)
+    bits = property(lambda self: self.source.bits)
+    group_dim = property(lambda self: self.source.group_dim)
+    group_size = property(lambda self: self.source.group_size)
+    backend = property(lambda self: self.source.backend)
+
+
 @dataclass
-class Mapped:
+class Mapped(OfSource):
     """The codes of ``x`` standing for ``fn(x)``, an element-wise function of it.
 
     A GELU saves its input's codes for its own backward; the next Linear needs the GELU's output,
@@ -186,13 +197,6 @@ class Mapped:
     source: Packed | Refined
     fn: Callable[[torch.Tensor], torch.Tensor]  # element-wise, fp32 in and out
     dtype: torch.dtype  # of the tensor it stands for
-
-    # The fields attached_codes checks are the source's.
-    shape = property(lambda self: self.source.shape)
-    bits = property(lambda self: self.source.bits)
-    group_dim = property(lambda self: self.source.group_dim)
-    group_size = property(lambda self: self.source.group_size)
-    backend = property(lambda self: self.source.backend)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.source.tensors()
@@ -211,7 +215,7 @@ class Mapped:
 
 
 @dataclass
-class Affine:
+class Affine(OfSource):
     """The codes of ``x`` standing for ``x * weight + bias``, one weight and bias (each
     optional) per channel of ``x``'s one-channel groups: a LayerNorm's output as the codes of
     its normalized input (``layers.norm.affine_codes``).
@@ -226,13 +230,6 @@ class Affine:
     weight: torch.Tensor | None  # (C,), along the source's group dim
     bias: torch.Tensor | None  # (C,)
     dtype: torch.dtype  # of the tensor it stands for
-
-    # The fields attached_codes checks are the source's.
-    shape = property(lambda self: self.source.shape)
-    bits = property(lambda self: self.source.bits)
-    group_dim = property(lambda self: self.source.group_dim)
-    group_size = property(lambda self: self.source.group_size)
-    backend = property(lambda self: self.source.backend)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         return (*self.source.tensors(), self.weight, self.bias)
