@@ -222,3 +222,30 @@ def test_call_sites_made_at_the_first_step_resume_from_the_saved_estimates():
     step(other, torch.optim.SGD(other.parameters(), lr=0.1), 2)
     for name, param in other.named_parameters():
         assert torch.equal(param, uninterrupted[name]), name
+
+
+def test_attention_replay_errors_travel_with_the_state():
+    """The replay error each attention quantizer received (``host.LateReading``) is part of the
+    state: a resumed run refines its first call as the uninterrupted run would."""
+    def attention_model():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.MultiheadAttention(16, 2, batch_first=True))
+        convert_to_mesa(model, config=MesaConfig())
+        return model
+
+    model = attention_model()
+    x = torch.randn(2, 8, 16)
+    for _ in range(2):
+        model[0](x, x, x)[0].sum().backward()
+    readings = {name: q.replay_error.state() for name, q in quantizers(model).items()
+                if q.replay_error.value is not None}
+    assert readings  # q's quantizer measured one
+    state = round_trip(training_state(model))
+    fresh = attention_model()
+    restore_training_state(fresh, state)
+    assert {name: q.replay_error.value for name, q in quantizers(fresh).items()
+            if name in readings} == pytest.approx(readings)
+    name = next(iter(readings))
+    state['estimates'][name]['replay_error'] = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match='is not one number'):
+        restore_training_state(fresh, state)
