@@ -57,7 +57,7 @@ class LateReading:
         self._receive()
         if self.value is None:
             self.value = float(x)  # the first call: nothing received yet
-        x = x.detach()
+        x = x.detach().float()  # numpy has no bf16 (a measure under autocast)
         if x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             host.copy_(x, non_blocking=True)

@@ -40,6 +40,9 @@ def test_a_late_reading_gives_the_previous_value_but_at_the_first_call():
         assert copied.value == pytest.approx(0.9)
     reading.restore(0.1)
     assert reading.update(torch.tensor(2.0)) == pytest.approx(0.1)
+    for dtype, previous in ((torch.bfloat16, 2.0), (torch.float16, 3.0)):  # under autocast
+        assert reading.update(torch.tensor(3.0, dtype=dtype)) == previous
+        assert reading.state() == 3.0
 
 
 def test_reads_wait_on_a_device_or_on_its_path():
