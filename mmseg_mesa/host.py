@@ -57,7 +57,7 @@ class LateReading:
         self._receive()
         if self.value is None:
             self.value = float(x)  # the first call: nothing received yet
-        x = x.detach().float()  # numpy has no bf16 (a measure under autocast)
+        x = x.detach()
         if x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             host.copy_(x, non_blocking=True)
@@ -74,7 +74,7 @@ class LateReading:
             return
         host, event = self._pending
         if event is None or event.query():
-            self.value = float(host.numpy())  # host memory: no dispatch, no wait
+            self.value = float(host.tolist())  # host memory: no dispatch, no wait
             self._pending = None
 
     def state(self) -> float | None:
@@ -84,7 +84,7 @@ class LateReading:
             host, event = self._pending
             if event is not None:
                 event.synchronize()
-            self.value = float(host.numpy())
+            self.value = float(host.tolist())
             self._pending = None
         return self.value
 
