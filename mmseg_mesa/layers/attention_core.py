@@ -133,14 +133,19 @@ def unpack_heads(packed: Any, heads: int) -> torch.Tensor:
     return decoded_heads(packed, heads).contiguous()
 
 
-def unpack_qkv(packed: Any, heads: int, q_scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fp32 ``(B, H, N, d)`` q, k and v of a packed ``(B, N, 3 * H * d)`` projection, q
-    multiplied by ``q_scale`` as the module does; each contiguous, from one copy."""
+def decoded_qkv(packed: Any, heads: int) -> torch.Tensor:
+    """The fp32 ``(3, B, H, N, d)`` q, k and v of a packed ``(B, N, 3 * H * d)`` projection,
+    as a view of its rows (q not multiplied by the module's scale)."""
     rows = unpack(packed, torch.float32)
     batch, tokens, channels = rows.shape
-    q, k, v = rows.view(batch, tokens, 3, heads, channels // (3 * heads)).permute(
-        2, 0, 3, 1, 4).contiguous()
+    return rows.view(batch, tokens, 3, heads, channels // (3 * heads)).permute(2, 0, 3, 1, 4)
+
+
+def unpack_qkv(packed: Any, heads: int, q_scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``decoded_qkv``, q multiplied by ``q_scale`` as the module does; each contiguous, from
+    one copy."""
+    q, k, v = decoded_qkv(packed, heads).contiguous()
     return q.mul_(q_scale), k, v
 
 
@@ -254,11 +259,8 @@ def refined_qkv(qkv: torch.Tensor, codes: Any, q: torch.Tensor, k: torch.Tensor,
     limit = refine_limit(quantizer)
     if limit == math.inf or not isinstance(codes, Packed):
         return codes
-    rows = unpack(first_image(codes, q.shape[0]), torch.float32)
-    batch, tokens, channels = rows.shape
-    heads = q.shape[1]
-    q_hat, k_hat = rows.view(batch, tokens, 3, heads, channels // (3 * heads)).permute(
-        2, 0, 3, 1, 4)[:2]  # views: only the sampled rows are multiplied by q_scale
+    # views: only the sampled rows are multiplied by q_scale
+    q_hat, k_hat, _ = decoded_qkv(first_image(codes, q.shape[0]), q.shape[1])
     error = replay_error(q_hat, k_hat, q, k, q_scale, scale)
     if replay_reading(quantizer).update(error) <= limit:
         return codes
