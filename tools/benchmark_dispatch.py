@@ -54,7 +54,7 @@ def models(zoo: bool, backbones: bool) -> dict[str, Any]:
 
 def measure(make: Any, size: int, batch: int) -> dict:
     from mmseg_mesa import convert_to_mesa
-    from mmseg_mesa.bench.dispatch import added_syncs, step_counts
+    from mmseg_mesa.bench.dispatch import compared, step_counts
     from mmseg_mesa.bench.models import build_model, make_batch
     cfg = make(size=size)
     reference = build_model(cfg, 'cpu').train()
@@ -62,12 +62,7 @@ def measure(make: Any, size: int, batch: int) -> dict:
     model = copy.deepcopy(reference)  # before any step: a forward may update state it reads
     convert_to_mesa(model)
     model.train()
-    base, mesa = step_counts(reference, data), step_counts(model, data)
-    return dict(kernel_ops=[base.kernel_ops, mesa.kernel_ops],
-                kernel_ratio=mesa.kernel_ops / base.kernel_ops,
-                syncs=[base.sync_ops, mesa.sync_ops], added_syncs=added_syncs(mesa, base),
-                mesa_sync_sites=sorted(f'{n} x {name} at {site}'
-                                       for (name, site), n in mesa.mesa_syncs().items()))
+    return compared(step_counts(model, data), step_counts(reference, data))
 
 
 def format_row(row: dict) -> str:
@@ -75,8 +70,8 @@ def format_row(row: dict) -> str:
         return f"| {row['model']} | {row['error']} |" + ' |' * (len(COLUMNS) - 2)
     added = ', '.join(f'{n} `{name}`' for name, n in row['added_syncs'].items()) or '0'
     sites = '; '.join(row['mesa_sync_sites']) or '-'
-    return (f"| {row['model']} ({row['size']}) | {row['kernel_ops'][0]} | {row['kernel_ops'][1]}"
-            f" | {row['kernel_ratio']:.2f}x | {row['syncs'][0]} | {row['syncs'][1]} | {added}"
+    return (f"| {row['model']} ({row['size']}) | {row['baseline_kernel_ops']} | {row['kernel_ops']}"
+            f" | {row['kernel_ratio']:.2f}x | {row['baseline_syncs']} | {row['syncs']} | {added}"
             f" | {sites} |")
 
 

@@ -156,3 +156,16 @@ def added_syncs(mesa: DispatchCount, baseline: DispatchCount) -> dict[str, int]:
     added = mesa.sync_names()
     added.subtract(baseline.sync_names())
     return {name: n for name, n in added.items() if n > 0}
+
+
+def compared(count: DispatchCount, baseline: DispatchCount | None) -> dict:
+    """What the tools report of a step against the baseline's: kernel ops and syncs (both
+    steps'), the kernel-op ratio and the syncs added (None without a baseline), and the syncs
+    called from ``mmseg_mesa`` (``'N x op at site'``)."""
+    return dict(kernel_ops=count.kernel_ops, syncs=count.sync_ops,
+                baseline_kernel_ops=baseline.kernel_ops if baseline else None,
+                baseline_syncs=baseline.sync_ops if baseline else None,
+                kernel_ratio=count.kernel_ops / baseline.kernel_ops if baseline else None,
+                added_syncs=added_syncs(count, baseline) if baseline else None,
+                mesa_sync_sites=sorted(f'{n} x {name} at {site}'
+                                       for (name, site), n in count.mesa_syncs().items()))

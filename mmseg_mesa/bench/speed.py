@@ -63,15 +63,9 @@ def dispatch_counts(models: dict[str, torch.nn.Module], batch: tuple, device: st
     their ratios to ``baseline``'s, the syncs it adds to the baseline's by op name, and its
     syncs called from ``mmseg_mesa`` by site; on a GPU also the synchronizing calls CUDA itself
     reports for one more step (``cuda_sync_warnings``)."""
-    from .dispatch import added_syncs, step_counts
+    from .dispatch import compared, step_counts
     counts = {mode: step_counts(model, batch, mode, device) for mode, model in models.items()}
-    base = counts.get('baseline')
-    results = {mode: dict(kernel_ops=c.kernel_ops, syncs=c.sync_ops,
-                          kernel_ratio=c.kernel_ops / base.kernel_ops if base else None,
-                          added_syncs=added_syncs(c, base) if base else None,
-                          mesa_sync_sites={f'{name} at {site}': n
-                                           for (name, site), n in c.mesa_syncs().items()})
-               for mode, c in counts.items()}
+    results = {mode: compared(c, counts.get('baseline')) for mode, c in counts.items()}
     if device == 'cuda':
         for mode, model in models.items():
             results[mode]['cuda_sync_warnings'] = cuda_sync_warnings(model, batch, mode)
@@ -104,5 +98,5 @@ def format_counts(counts: dict[str, dict]) -> str:
                      f'{entry["syncs"]:4d} syncs, {added} added'
                      + (f'; CUDA reports {len(cuda)} synchronizing calls' if cuda is not None
                         else ''))
-        lines += [f'      {n} x {site}' for site, n in entry['mesa_sync_sites'].items()]
+        lines += [f'      {site}' for site in entry['mesa_sync_sites']]
     return '\n'.join(lines)

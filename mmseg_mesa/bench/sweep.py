@@ -103,13 +103,9 @@ def dispatch_row(reference: torch.nn.Module, model: torch.nn.Module, data: tuple
     """What a GPU step of each would launch and wait for (``dispatch.step_counts``): Mesa's
     kernel ops over the baseline's, the syncs Mesa adds by op name, and Mesa's own sync sites.
     Both models have taken a training step (first calls read their own values)."""
-    from mmseg_mesa.bench.dispatch import added_syncs, step_counts
-    base = step_counts(reference, data, warmup=False)
-    mesa = step_counts(model, data, warmup=False)
-    return dict(kernel_ratio=mesa.kernel_ops / base.kernel_ops,
-                added_syncs=added_syncs(mesa, base),
-                mesa_sync_sites=sorted(f'{n} x {name} at {site}'
-                                       for (name, site), n in mesa.mesa_syncs().items()))
+    from mmseg_mesa.bench.dispatch import compared, step_counts
+    return compared(step_counts(model, data, warmup=False),
+                    step_counts(reference, data, warmup=False))
 
 
 def one(make_config: Callable[[], Any], size: int, batch: int, json_path: str) -> int:
