@@ -33,8 +33,9 @@ COLUMNS = ('model', 'kernel ops: baseline', 'Mesa', 'ratio', 'syncs: baseline', 
 
 
 def models(zoo: bool, backbones: bool) -> dict[str, Any]:
-    """Name -> (a function making its config at a size, the size it must have or None), for
-    the chosen sweeps (their lists: the other sweep tools', imported as ``tools.*``)."""
+    """Name -> (a function making its config at a size and batch, the size it must have or
+    None), for the chosen sweeps (their lists: the other sweep tools', imported as
+    ``tools.*``)."""
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from tools import benchmark_backbones, benchmark_zoo
@@ -42,13 +43,12 @@ def models(zoo: bool, backbones: bool) -> dict[str, Any]:
     if zoo:
         for family, name in sorted(benchmark_zoo.CONFIGS.items()):
             path = osp.join(sweep.configs_root(), family, name)
-            made[family] = (lambda path=path, family=family, size=None: benchmark_zoo.zoo_config(
-                path, benchmark_zoo.SIZES.get(family, size)), benchmark_zoo.SIZES.get(family))
+            made[family] = (lambda size, batch, path=path: benchmark_zoo.zoo_config(path, size),
+                            benchmark_zoo.SIZES.get(family))
     if backbones:
         for name in benchmark_backbones.names():
-            made[name] = (lambda name=name, size=None: benchmark_backbones.backbone_upernet(
-                name, benchmark_backbones.SIZES.get(name, size), 2),
-                benchmark_backbones.SIZES.get(name))
+            made[name] = (lambda size, batch, name=name: benchmark_backbones.backbone_upernet(
+                name, size, batch), benchmark_backbones.SIZES.get(name))
     return made
 
 
@@ -56,7 +56,7 @@ def measure(make: Any, size: int, batch: int) -> dict:
     from mmseg_mesa import convert_to_mesa
     from mmseg_mesa.bench.dispatch import compared, step_counts
     from mmseg_mesa.bench.models import build_model, make_batch
-    cfg = make(size=size)
+    cfg = make(size, batch)
     reference = build_model(cfg, 'cpu').train()
     data = make_batch(cfg, batch, (size, size), 'cpu')
     model = copy.deepcopy(reference)  # before any step: a forward may update state it reads
