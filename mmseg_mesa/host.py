@@ -80,12 +80,9 @@ class LateReading:
     def state(self) -> float | None:
         """The value a resumed run starts from: the newest, received or queued (the queued
         one read now, which waits only for it: this is checkpointing, not a step)."""
-        if self._pending is not None:
-            host, event = self._pending
-            if event is not None:
-                event.synchronize()
-            self.value = float(host.tolist())
-            self._pending = None
+        if self._pending is not None and self._pending[1] is not None:
+            self._pending[1].synchronize()
+        self._receive()
         return self.value
 
     def restore(self, value: float | None) -> None:
