@@ -10,7 +10,7 @@ CPU take the device's branches, so that tests can count what a device step would
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,31 +33,58 @@ def device_path() -> Iterator[None]:
         _DEVICE_PATH[0] -= 1
 
 
-class LateReading:
-    """The newest value of a scalar that a layer measures on its device at each call, as the
-    host has it without waiting.
+# A ``LateReading`` measures at its first call and at every ``MEASURE_EVERY``-th call after;
+# between, the layer decides from the value it has. The measure (a few sampled rows decoded and
+# multiplied: DeiT-S's attention spent 7 of its kernel ops per call on it) then costs an eighth
+# of it per step, and what it tracks moves with the running estimates, whose EMA (decay 0.9)
+# forgets over about ten steps: a decision at most eight steps old.
+MEASURE_EVERY = 8
+_EVERY_CALL = [0]
 
-    ``update(x)`` queues a copy of ``x`` for the host (into pinned memory behind the work that
-    computes it, on a GPU) and returns the newest value that had arrived before: the previous
-    call's, on a GPU long done by then. Only the first call, with nothing received yet, reads
-    its own value (one wait for the whole run). Every device takes this path, the CPU too, so
-    that a decision made from the value is the same on all of them: a call late. ``value`` is
-    part of a run's training state (``training_state``), so that a resumed run decides as the
-    uninterrupted one would.
+
+@contextlib.contextmanager
+def measuring_every_call() -> Iterator[None]:
+    """Inside, every ``LateReading`` call measures (what a step costs where all are due:
+    benchmarks count it to average a step over ``MEASURE_EVERY``)."""
+    _EVERY_CALL[0] += 1
+    try:
+        yield
+    finally:
+        _EVERY_CALL[0] -= 1
+
+
+class LateReading:
+    """The newest value of a scalar that a layer measures on its device, as the host has it
+    without waiting.
+
+    ``update(measure)`` calls ``measure`` at the first call and every ``MEASURE_EVERY``-th after,
+    queues a copy of the 0-d tensor it returns for the host (into pinned memory behind the work
+    that computes it, on a GPU), and returns the newest value that had arrived before: on a GPU
+    long done by then. Only the first call, with nothing received yet, reads its own value (one
+    wait for the whole run). Every device takes this path, the CPU too, so that a decision made
+    from the value is the same on all of them. ``state()`` (the value and the calls made) is
+    part of a run's training state (``training_state``), so that a resumed run measures and
+    decides as the uninterrupted one would.
     """
 
-    __slots__ = ('value', '_pending')
+    __slots__ = ('value', 'calls', '_pending')
 
     def __init__(self) -> None:
         self.value: float | None = None
+        self.calls = 0
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
-    def update(self, x: torch.Tensor) -> float:
-        """Queue ``x`` (a 0-d tensor); return the newest value received before it."""
+    def update(self, measure: Callable[[], torch.Tensor]) -> float:
+        """``measure()`` queued where this call is due to measure; the newest value received
+        before it."""
         self._receive()
+        due = self.calls % MEASURE_EVERY == 0 or self.value is None or _EVERY_CALL[0] > 0
+        self.calls += 1
+        if not due:
+            return self.value
+        x = measure().detach()
         if self.value is None:
             self.value = float(x)  # the first call: nothing received yet
-        x = x.detach()
         if x.is_cuda:
             host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
             host.copy_(x, non_blocking=True)
@@ -77,23 +104,25 @@ class LateReading:
             self.value = float(host.tolist())  # host memory: no dispatch, no wait
             self._pending = None
 
-    def state(self) -> float | None:
-        """The value a resumed run starts from: the newest, received or queued (the queued
-        one read now, which waits only for it: this is checkpointing, not a step)."""
+    def state(self) -> tuple[float | None, int]:
+        """The value a resumed run starts from, the newest received or queued (the queued one
+        read now, which waits only for it: this is checkpointing, not a step), and the calls
+        made."""
         if self._pending is not None and self._pending[1] is not None:
             self._pending[1].synchronize()
         self._receive()
-        return self.value
+        return self.value, self.calls
 
-    def restore(self, value: float | None) -> None:
+    def restore(self, value: float | None, calls: int = 0) -> None:
         self.value = value
+        self.calls = calls
         self._pending = None
 
-    def __getstate__(self) -> tuple[float | None]:
+    def __getstate__(self) -> tuple[float | None, int]:
         # copies (deepcopy, pickle) take what has been received: an event does not copy (a
         # tuple: a state of None would skip __setstate__)
         self._receive()
-        return (self.value,)
+        return self.value, self.calls
 
-    def __setstate__(self, state: tuple[float | None]) -> None:
-        self.restore(state[0])
+    def __setstate__(self, state: tuple) -> None:
+        self.restore(*state)

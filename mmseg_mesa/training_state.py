@@ -22,8 +22,9 @@ from .rounding import check_rounding_state, restore_rounding_state, rounding_sta
 STATE_FORMAT = 1
 ESTIMATES = ('lower', 'span', 'seen')
 # The replay errors of attention operands the host has received (``host.LateReading``s of the
-# quantizer), beside the estimates where one was measured (0-d fp64 tensors); a resumed run
-# decides from them.
+# quantizer), beside the estimates where one was measured: fp64 ``[value, calls made]`` (a
+# state saved before calls were counted holds the value alone); a resumed run measures and
+# decides from them as the uninterrupted one would.
 READINGS = ('replay_error', 'map_error')
 
 
@@ -42,15 +43,27 @@ def load_estimates(quantizer: ActivationQuantizer, values: dict[str, torch.Tenso
             buffer.resize_(value.shape).copy_(value.to(device=device, dtype=buffer.dtype))
     for key in READINGS:
         reading = values.get(key)
-        getattr(quantizer, key).restore(None if reading is None else float(reading))
+        if reading is None:
+            getattr(quantizer, key).restore(None)
+        else:
+            value, *calls = reading.reshape(-1).tolist()
+            getattr(quantizer, key).restore(value, int(calls[0]) if calls else 0)
+
+
+def _calls_valid(reading: torch.Tensor) -> bool:
+    """Whether a saved reading's count of calls, where it has one, is a count."""
+    if reading.numel() == 1:
+        return True
+    calls = float(reading.reshape(-1)[1])
+    return calls >= 0 and calls == int(calls)
 
 
 def _entry(quantizer: ActivationQuantizer) -> dict[str, torch.Tensor]:
     entry = {key: getattr(quantizer, key).detach().cpu().clone() for key in ESTIMATES}
     for key in READINGS:
-        reading = getattr(quantizer, key).state()
-        if reading is not None:
-            entry[key] = torch.tensor(reading, dtype=torch.float64)
+        value, calls = getattr(quantizer, key).state()
+        if value is not None:
+            entry[key] = torch.tensor([value, calls], dtype=torch.float64)
     return entry
 
 
@@ -108,9 +121,10 @@ def _check(state: Any) -> dict[str, Any]:
                              f'1-D tensors {ESTIMATES} of one length (and {READINGS})')
         for key in READINGS:
             if key in saved and not (isinstance(saved[key], torch.Tensor)
-                                     and saved[key].numel() == 1):
-                raise ValueError(f'restore_training_state: the {key!r} of {name!r} is not one '
-                                 f'number')
+                                     and saved[key].numel() in (1, 2)
+                                     and _calls_valid(saved[key])):
+                raise ValueError(f'restore_training_state: the {key!r} of {name!r} is not a '
+                                 f'value and a count of calls')
     check_rounding_state(state['rounding'])
     return state
 

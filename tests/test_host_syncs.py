@@ -16,7 +16,7 @@ from mmseg_models import DEIT_S, SWIN_T, batch, build_model
 
 from mmseg_mesa import MesaConfig, convert_to_mesa
 from mmseg_mesa.bench.dispatch import added_syncs, count_step, step_counts
-from mmseg_mesa.host import LateReading, device_path, reads_wait
+from mmseg_mesa.host import MEASURE_EVERY, LateReading, device_path, reads_wait
 from mmseg_mesa.layers.attention_core import CompactMask, MesaAttentionFunction
 from mmseg_mesa.quantizer import (
     ActivationQuantizer,
@@ -30,19 +30,55 @@ from mmseg_mesa.saved import load
 SEGFORMER_B0 = 'segformer/segformer_mit-b0_8xb2-160k_ade20k-512x512.py'
 
 
+def measured(value: float, dtype: torch.dtype = torch.float32):
+    """A measure that returns ``value`` and records that it ran."""
+    def measure() -> torch.Tensor:
+        measure.ran = True
+        return torch.tensor(value, dtype=dtype)
+    measure.ran = False
+    return measure
+
+
 def test_a_late_reading_gives_the_previous_value_but_at_the_first_call():
     reading = LateReading()
-    assert reading.update(torch.tensor(0.5)) == 0.5  # nothing received yet: its own
-    assert reading.update(torch.tensor(0.7)) == 0.5
-    assert reading.update(torch.tensor(0.9)) == pytest.approx(0.7)
-    assert reading.state() == pytest.approx(0.9)  # checkpoints take the newest
+    assert reading.update(measured(0.5)) == 0.5  # nothing received yet: its own
+    for _ in range(MEASURE_EVERY - 1):  # not due: nothing measured, the first value kept
+        measure = measured(0.7)
+        assert reading.update(measure) == 0.5
+        assert not measure.ran
+    measure = measured(0.9)
+    assert reading.update(measure) == 0.5  # due: measured, received at the next call
+    assert measure.ran
+    assert reading.update(measured(0.1)) == pytest.approx(0.9)
+    assert reading.state() == (pytest.approx(0.9), MEASURE_EVERY + 2)  # checkpoints: the newest
     for copied in (copy.deepcopy(reading), pickle.loads(pickle.dumps(reading))):
-        assert copied.value == pytest.approx(0.9)
-    reading.restore(0.1)
-    assert reading.update(torch.tensor(2.0)) == pytest.approx(0.1)
-    for dtype, previous in ((torch.bfloat16, 2.0), (torch.float16, 3.0)):  # under autocast
-        assert reading.update(torch.tensor(3.0, dtype=dtype)) == previous
-        assert reading.state() == 3.0
+        assert (copied.value, copied.calls) == (pytest.approx(0.9), MEASURE_EVERY + 2)
+    reading.restore(0.1)  # calls 0: the next call is due
+    assert reading.update(measured(2.0)) == pytest.approx(0.1)
+    for dtype in (torch.bfloat16, torch.float16):  # under autocast
+        reading.restore(2.0)
+        assert reading.update(measured(3.0, dtype)) == 2.0
+        assert reading.state() == (3.0, 1)
+
+
+def test_a_reading_measures_every_few_calls():
+    """Which calls of a reading measure: the first and every ``MEASURE_EVERY``-th after, the same
+    after a restore of the state."""
+    def ran(reading: LateReading, calls: int) -> list[int]:
+        out = []
+        for call in range(calls):
+            measure = measured(float(call))
+            reading.update(measure)
+            if measure.ran:
+                out.append(call)
+        return out
+
+    reading = LateReading()
+    assert ran(reading, 3 * MEASURE_EVERY + 1) == [0, MEASURE_EVERY, 2 * MEASURE_EVERY,
+                                                   3 * MEASURE_EVERY]
+    resumed = LateReading()
+    resumed.restore(*reading.state())
+    assert ran(resumed, MEASURE_EVERY) == ran(reading, MEASURE_EVERY) == [MEASURE_EVERY - 1]
 
 
 def test_reads_wait_on_a_device_or_on_its_path():
@@ -59,19 +95,20 @@ def quantizers() -> tuple[ActivationQuantizer, ...]:
                                                refine_error=limit)) for _ in range(3))
 
 
-def test_attention_refines_from_the_previous_calls_replay_error():
-    """Logits that grow sharp between two calls (scale 0.1, then 1: 8 bits replay them 0.3 off)
-    refine from the call after: the host has the second call's error only then."""
+def test_attention_refines_from_the_last_measured_replay_error():
+    """Logits that grow sharp after the first call (scale 0.1, then 1: 8 bits replay them 0.3
+    off) refine from the call after the next measure: the host has that call's error only
+    then."""
     quants = quantizers()
     kinds = []
-    for scale in (0.1, 1.0, 1.0, 0.1, 0.1):
+    for scale in (0.1,) + (1.0,) * (MEASURE_EVERY + 1):
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(2, 4, 64, 16, generator=gen) * scale for _ in range(3))
         out = MesaAttentionFunction.apply(q.requires_grad_(), k, v, None, None, None, None, 0.0,
                                           False, quants)
         kinds.append(type(load(out.grad_fn)[0]))
-    assert kinds == [Packed, Packed, Refined, Refined, Packed]
-    assert quants[0].replay_error.value < MesaConfig().attention_refine_error
+    assert kinds == [Packed] * (MEASURE_EVERY + 1) + [Refined]
+    assert quants[0].replay_error.value > MesaConfig().attention_refine_error
 
 
 def test_masks_stay_exact_without_reading_the_device():

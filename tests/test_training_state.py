@@ -239,13 +239,19 @@ def test_attention_replay_errors_travel_with_the_state():
         model[0](x, x, x)[0].sum().backward()
     readings = {name: q.replay_error.state() for name, q in quantizers(model).items()
                 if q.replay_error.value is not None}
+    assert all(calls == 2 for _, calls in readings.values())
     assert readings  # q's quantizer measured one
     state = round_trip(training_state(model))
     fresh = attention_model()
     restore_training_state(fresh, state)
-    assert {name: q.replay_error.value for name, q in quantizers(fresh).items()
-            if name in readings} == pytest.approx(readings)
+    assert {name: q.replay_error.state() for name, q in quantizers(fresh).items()
+            if name in readings} == readings
     name = next(iter(readings))
-    state['estimates'][name]['replay_error'] = torch.zeros(3, dtype=torch.float64)
-    with pytest.raises(ValueError, match='is not one number'):
-        restore_training_state(fresh, state)
+    for bad in (torch.zeros(3, dtype=torch.float64), torch.tensor([0.1, -1.0]),
+                torch.tensor([0.1, 2.5])):
+        state['estimates'][name]['replay_error'] = bad
+        with pytest.raises(ValueError, match='not a value and a count of calls'):
+            restore_training_state(fresh, state)
+    state['estimates'][name]['replay_error'] = torch.tensor(0.25, dtype=torch.float64)
+    restore_training_state(fresh, state)  # saved before calls were counted: due at once
+    assert quantizers(fresh)[name].replay_error.state() == (0.25, 0)

@@ -132,12 +132,26 @@ def count_step(step: Any) -> DispatchCount:
     return mode.count
 
 
+def cycle_average(due: DispatchCount, regular: DispatchCount, every: int) -> DispatchCount:
+    """The counts per step over ``every`` steps: one ``due`` (every ``host.LateReading``
+    measures), the others ``regular`` (none does); fractional."""
+    out = DispatchCount()
+    for count, weight in ((due, 1), (regular, every - 1)):
+        for name, n in count.kernels.items():
+            out.kernels[name] += n * weight / every
+        for key, n in count.syncs.items():
+            out.syncs[key] += n * weight / every
+    return out
+
+
 def step_counts(model: torch.nn.Module, batch: tuple, mode: str = 'baseline',
                 device: str = 'cpu', warmup: bool = True) -> DispatchCount:
-    """The counts of one forward + backward of ``model``, after an uncounted one where
+    """The counts of a forward + backward of ``model``, after an uncounted one where
     ``warmup`` (first calls make quantizers and take first readings), with the CPU on a
-    device's branches (``host.device_path``)."""
-    from ..host import device_path
+    device's branches (``host.device_path``): per step over a cycle of
+    ``host.MEASURE_EVERY`` steps, of which one measures its replay errors (two steps counted,
+    one with every reading due, ``cycle_average``)."""
+    from ..host import MEASURE_EVERY, device_path, measuring_every_call
     from .memory import forward_loss
 
     def step() -> None:
@@ -147,7 +161,9 @@ def step_counts(model: torch.nn.Module, batch: tuple, mode: str = 'baseline',
     with device_path():
         if warmup:
             step()
-        return count_step(step)
+        with measuring_every_call():
+            due = count_step(step)
+        return cycle_average(due, count_step(step), MEASURE_EVERY)
 
 
 def added_syncs(mesa: DispatchCount, baseline: DispatchCount) -> dict[str, int]:
@@ -162,10 +178,11 @@ def compared(count: DispatchCount, baseline: DispatchCount | None) -> dict:
     """What the tools report of a step against the baseline's: kernel ops and syncs (both
     steps'), the kernel-op ratio and the syncs added (None without a baseline), and the syncs
     called from ``mmseg_mesa`` (``'N x op at site'``)."""
-    return dict(kernel_ops=count.kernel_ops, syncs=count.sync_ops,
-                baseline_kernel_ops=baseline.kernel_ops if baseline else None,
-                baseline_syncs=baseline.sync_ops if baseline else None,
+    return dict(kernel_ops=round(count.kernel_ops), syncs=round(count.sync_ops),
+                baseline_kernel_ops=round(baseline.kernel_ops) if baseline else None,
+                baseline_syncs=round(baseline.sync_ops) if baseline else None,
                 kernel_ratio=count.kernel_ops / baseline.kernel_ops if baseline else None,
-                added_syncs=added_syncs(count, baseline) if baseline else None,
-                mesa_sync_sites=sorted(f'{n} x {name} at {site}'
+                added_syncs=({name: round(n) for name, n in added_syncs(count, baseline).items()
+                              if round(n)} if baseline else None),
+                mesa_sync_sites=sorted(f'{n:g} x {name} at {site}'
                                        for (name, site), n in count.mesa_syncs().items()))

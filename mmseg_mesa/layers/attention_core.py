@@ -246,7 +246,8 @@ def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, 
     limit = refine_limit(quantizer)
     if limit == math.inf or not (isinstance(codes_q, Packed) and isinstance(codes_k, Packed)):
         return HeadCodes(codes_q, codes_k, False, None)
-    error = replay_reading(quantizer).update(heads_error(q, k, codes_q, codes_k, scale))
+    error = replay_reading(quantizer).update(
+        lambda: heads_error(q, k, codes_q, codes_k, scale))
     if error <= limit:
         return HeadCodes(codes_q, codes_k, False, error)
     return HeadCodes(refine_heads(codes_q, q), refine_heads(codes_k, k), True, error)
@@ -259,10 +260,13 @@ def refined_qkv(qkv: torch.Tensor, codes: Any, q: torch.Tensor, k: torch.Tensor,
     limit = refine_limit(quantizer)
     if limit == math.inf or not isinstance(codes, Packed):
         return codes
-    # views: only the sampled rows are multiplied by q_scale
-    q_hat, k_hat, _ = decoded_qkv(first_image(codes, q.shape[0]), q.shape[1])
-    error = replay_error(q_hat, k_hat, q, k, q_scale, scale)
-    if replay_reading(quantizer).update(error) <= limit:
+
+    def measure() -> torch.Tensor:
+        # views: only the sampled rows are multiplied by q_scale
+        q_hat, k_hat, _ = decoded_qkv(first_image(codes, q.shape[0]), q.shape[1])
+        return replay_error(q_hat, k_hat, q, k, q_scale, scale)
+
+    if replay_reading(quantizer).update(measure) <= limit:
         return codes
     return refine(codes, qkv)
 

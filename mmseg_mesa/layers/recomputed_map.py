@@ -157,7 +157,8 @@ def replays(recipe: Recipe | None) -> bool:
         return False
     error = recipe.error
     if isinstance(error, torch.Tensor):
-        error = recipe.reading.update(error)
+        measured = error
+        error = recipe.reading.update(lambda: measured)
     return error <= MAX_REPLAY_ERROR
 
 
@@ -244,7 +245,8 @@ def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, quantizer: 
     if source is MesaLogitsFunction:  # measured as its forward packed
         refined, error = node.replay
     else:
-        refined, error = False, replay_reading(quantizer).update(product_error(node, a, b))
+        refined, error = False, replay_reading(quantizer).update(
+            lambda: product_error(node, a, b))
     return Recipe(node, error=error, refined=refined,
                   operands=(WeakOperand.of(a), WeakOperand.of(b)),
                   reading=replay_reading(quantizer, 'map_error'))
@@ -304,7 +306,8 @@ class MesaLogitsFunction(torch.autograd.Function):
                               quant_a)
         # the recipe needs how sharp the map is even where nothing refines
         error = (codes.coarse_error if codes.coarse_error is not None
-                 else replay_reading(quant_a).update(heads_error(ac, k, codes.q, codes.k, 1.0)))
+                 else replay_reading(quant_a).update(
+                     lambda: heads_error(ac, k, codes.q, codes.k, 1.0)))
         ctx.replay = (codes.refined, error)
         save(ctx, codes.q, codes.k)
         return y
