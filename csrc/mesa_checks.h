@@ -171,6 +171,51 @@ inline GroupLayout check_dequantize_args(const char* op, const at::Tensor& codes
   return layout;
 }
 
+// Validates refine's arguments: x, its 8-bit codes (one per element) with their per-group lower
+// and scale, and the optional per-group mean and rstd of a standardized pack; returns x's layout.
+inline GroupLayout check_refine_args(const char* op, const at::Tensor& x,
+                                     const at::Tensor& codes, const at::Tensor& lower,
+                                     const at::Tensor& scale,
+                                     const std::optional<at::Tensor>& mean,
+                                     const std::optional<at::Tensor>& rstd, int64_t group_dim,
+                                     int64_t group_size, c10::DeviceType device) {
+  check_activation(op, x, device);
+  const GroupLayout layout = group_layout(op, x.sizes(), group_dim, group_size);
+  check_contiguous(op, "codes", codes, device);
+  check_same_device(op, "codes", codes, x);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.numel() == layout.numel, op,
+              ": codes must be uint8 with one code per element of x (", layout.numel,
+              "), got ", codes.scalar_type(), " with ", codes.numel());
+  check_group_vector(op, "lower", lower, x, layout, at::kFloat);
+  check_group_vector(op, "scale", scale, x, layout, at::kFloat);
+  TORCH_CHECK(mean.has_value() == rstd.has_value(), op,
+              ": mean and rstd are given together or not at all");
+  if (mean.has_value()) {
+    check_group_vector(op, "mean", *mean, x, layout, at::kFloat);
+    check_group_vector(op, "rstd", *rstd, x, layout, at::kFloat);
+  }
+  return layout;
+}
+
+// Validates dequantize_refined's arguments: two 8-bit codes per element of `shape` and the
+// per-group lower and scale of each.
+inline GroupLayout check_dequantize_refined_args(
+    const char* op, const at::Tensor& codes, const at::Tensor& fine, const at::Tensor& lower,
+    const at::Tensor& scale, const at::Tensor& fine_lower, const at::Tensor& fine_scale,
+    at::IntArrayRef shape, int64_t group_dim, int64_t group_size, at::ScalarType dtype,
+    c10::DeviceType device) {
+  const GroupLayout layout = check_dequantize_args(op, codes, lower, scale, 8, shape, group_dim,
+                                                   group_size, dtype, device);
+  check_contiguous(op, "fine", fine, device);
+  check_same_device(op, "fine", fine, codes);
+  TORCH_CHECK(fine.scalar_type() == at::kByte && fine.numel() == layout.numel, op,
+              ": fine must be uint8 with one code per element (", layout.numel, "), got ",
+              fine.scalar_type(), " with ", fine.numel());
+  check_group_vector(op, "fine_lower", fine_lower, codes, layout, at::kFloat);
+  check_group_vector(op, "fine_scale", fine_scale, codes, layout, at::kFloat);
+  return layout;
+}
+
 // What quantize returns: one code per element shaped like x, or the packed bytes (flat) when
 // `pack` and bits < 8.
 inline std::vector<int64_t> quantized_shape(const at::Tensor& x, int64_t bits, bool pack) {

@@ -666,6 +666,79 @@ void pack_flags(int64_t numel, int64_t first, int64_t last, uint8_t* out, Flag&&
   }
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> refine_cpu(
+    const at::Tensor& x, const at::Tensor& codes, const at::Tensor& lower,
+    const at::Tensor& scale, const std::optional<at::Tensor>& mean,
+    const std::optional<at::Tensor>& rstd, int64_t group_dim, int64_t group_size) {
+  constexpr const char* op = "mmseg_mesa::refine";
+  const GroupLayout layout = check_refine_args(op, x, codes, lower, scale, mean, rstd, group_dim,
+                                               group_size, c10::DeviceType::CPU);
+  const at::Tensor fine_lower = at::empty({layout.groups}, lower.options());
+  const at::Tensor fine_scale = at::empty({layout.groups}, lower.options());
+  const float* lo = lower.const_data_ptr<float>();
+  const float* sc = scale.const_data_ptr<float>();
+  float* fine_lo = fine_lower.mutable_data_ptr<float>();
+  float* fine_sc = fine_scale.mutable_data_ptr<float>();
+  for (int64_t g = 0; g < layout.groups; ++g) {
+    fine_lo[g] = -sc[g];
+    fine_sc[g] = fine_step(sc[g]);
+  }
+  at::Tensor fine = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  // Standardized: the codes are those of (x - mean) * rstd (quantizer.pack_standardized).
+  const float* m = mean.has_value() ? mean->const_data_ptr<float>() : nullptr;
+  const float* r = rstd.has_value() ? rstd->const_data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {
+    const scalar_t* in = x.const_data_ptr<scalar_t>();
+    const uint8_t* coarse = codes.const_data_ptr<uint8_t>();
+    uint8_t* out = fine.mutable_data_ptr<uint8_t>();
+    at::parallel_for(0, layout.numel, kGrainElements, [&](int64_t first, int64_t last) {
+      GroupCursor cursor(layout, first);
+      for (int64_t i = first; i < last; ++i) {
+        const int32_t g = cursor.group;
+        float v = static_cast<float>(in[i]);
+        if (m != nullptr) {
+          v = mul_rn(sub_rn(v, m[g]), r[g]);
+        }
+        out[i] = fine_code(v, coarse[i], lo[g], sc[g], fine_sc[g]);
+        cursor.advance(layout);
+      }
+    });
+  });
+  return {fine, fine_lower, fine_scale};
+}
+
+at::Tensor dequantize_refined_cpu(const at::Tensor& codes, const at::Tensor& fine,
+                                  const at::Tensor& lower, const at::Tensor& scale,
+                                  const at::Tensor& fine_lower, const at::Tensor& fine_scale,
+                                  at::IntArrayRef shape, int64_t group_dim, int64_t group_size,
+                                  at::ScalarType dtype) {
+  constexpr const char* op = "mmseg_mesa::dequantize_refined";
+  const GroupLayout layout =
+      check_dequantize_refined_args(op, codes, fine, lower, scale, fine_lower, fine_scale, shape,
+                                    group_dim, group_size, dtype, c10::DeviceType::CPU);
+  at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
+  const uint8_t* coarse = codes.const_data_ptr<uint8_t>();
+  const uint8_t* fine_codes = fine.const_data_ptr<uint8_t>();
+  const float* lo = lower.const_data_ptr<float>();
+  const float* sc = scale.const_data_ptr<float>();
+  const float* fine_lo = fine_lower.const_data_ptr<float>();
+  const float* fine_sc = fine_scale.const_data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, op, [&] {
+    scalar_t* result = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, layout.numel, kGrainElements, [&](int64_t first, int64_t last) {
+      GroupCursor cursor(layout, first);
+      for (int64_t i = first; i < last; ++i) {
+        const int32_t g = cursor.group;
+        // The cast is the c10 conversion (round to nearest even) that Tensor.to(dtype) uses.
+        result[i] = static_cast<scalar_t>(
+            decode_refined(coarse[i], fine_codes[i], lo[g], sc[g], fine_lo[g], fine_sc[g]));
+        cursor.advance(layout);
+      }
+    });
+  });
+  return out;
+}
+
 at::Tensor pack_mask_cpu(const at::Tensor& mask) {
   constexpr const char* op = "mmseg_mesa::pack_mask";
   check_contiguous(op, "mask", mask, c10::DeviceType::CPU);

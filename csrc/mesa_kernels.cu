@@ -297,6 +297,61 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ in,
   }
 }
 
+// One thread per chunk (grid-stride). The first threads also write the fine codes' lower and
+// step, which no thread reads back: each element's step is computed where it is used.
+template <typename scalar_t>
+__global__ void refine_kernel(const scalar_t* __restrict__ x, const uint8_t* __restrict__ codes,
+                              const float* __restrict__ lower, const float* __restrict__ scale,
+                              const float* __restrict__ mean, const float* __restrict__ rstd,
+                              uint8_t* __restrict__ fine, float* __restrict__ fine_lower,
+                              float* __restrict__ fine_scale, GroupLayout layout) {
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  for (int64_t g = first; g < layout.groups; g += step) {
+    fine_lower[g] = -scale[g];
+    fine_scale[g] = fine_step(scale[g]);
+  }
+  const int64_t chunks = (layout.numel + kChunk - 1) / kChunk;
+  for (int64_t chunk = first; chunk < chunks; chunk += step) {
+    const int64_t begin = chunk * kChunk;
+    const int count = static_cast<int>(min(int64_t{kChunk}, layout.numel - begin));
+    GroupCursor cursor(layout, begin);
+    for (int j = 0; j < count; ++j) {
+      const int32_t g = cursor.group;
+      float v = static_cast<float>(x[begin + j]);
+      if (mean != nullptr) {
+        v = mul_rn(sub_rn(v, mean[g]), rstd[g]);
+      }
+      fine[begin + j] = fine_code(v, codes[begin + j], lower[g], scale[g], fine_step(scale[g]));
+      cursor.advance(layout);
+    }
+  }
+}
+
+template <typename scalar_t>
+__global__ void dequantize_refined_kernel(const uint8_t* __restrict__ codes,
+                                          const uint8_t* __restrict__ fine,
+                                          const float* __restrict__ lower,
+                                          const float* __restrict__ scale,
+                                          const float* __restrict__ fine_lower,
+                                          const float* __restrict__ fine_scale,
+                                          scalar_t* __restrict__ out, GroupLayout layout) {
+  const int64_t chunks = (layout.numel + kChunk - 1) / kChunk;
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t chunk = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; chunk < chunks;
+       chunk += step) {
+    const int64_t begin = chunk * kChunk;
+    const int count = static_cast<int>(min(int64_t{kChunk}, layout.numel - begin));
+    GroupCursor cursor(layout, begin);
+    for (int j = 0; j < count; ++j) {
+      const int32_t g = cursor.group;
+      out[begin + j] = static_cast<scalar_t>(decode_refined(
+          codes[begin + j], fine[begin + j], lower[g], scale[g], fine_lower[g], fine_scale[g]));
+      cursor.advance(layout);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- host launches
 
 // The keys zeroed (one memset), then group_min_max_kernel handing each group's range of x to
@@ -463,6 +518,64 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
     dequantize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
         in, lower.const_data_ptr<float>(), scale.const_data_ptr<float>(), result, layout,
         static_cast<int>(bits), aligned);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> refine_cuda(
+    const at::Tensor& x, const at::Tensor& codes, const at::Tensor& lower,
+    const at::Tensor& scale, const std::optional<at::Tensor>& mean,
+    const std::optional<at::Tensor>& rstd, int64_t group_dim, int64_t group_size) {
+  constexpr const char* op = "mmseg_mesa::refine";
+  const GroupLayout layout = check_refine_args(op, x, codes, lower, scale, mean, rstd, group_dim,
+                                               group_size, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor fine_lower = at::empty({layout.groups}, lower.options());
+  const at::Tensor fine_scale = at::empty({layout.groups}, lower.options());
+  at::Tensor fine = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  if (layout.numel == 0 && layout.groups == 0) {
+    return {fine, fine_lower, fine_scale};
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t units = std::max((layout.numel + kChunk - 1) / kChunk, layout.groups);
+  const auto blocks = static_cast<unsigned>(elementwise_blocks(x, units));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), op, [&] {
+    refine_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), codes.const_data_ptr<uint8_t>(),
+        lower.const_data_ptr<float>(), scale.const_data_ptr<float>(),
+        mean.has_value() ? mean->const_data_ptr<float>() : nullptr,
+        rstd.has_value() ? rstd->const_data_ptr<float>() : nullptr,
+        fine.mutable_data_ptr<uint8_t>(), fine_lower.mutable_data_ptr<float>(),
+        fine_scale.mutable_data_ptr<float>(), layout);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {fine, fine_lower, fine_scale};
+}
+
+at::Tensor dequantize_refined_cuda(const at::Tensor& codes, const at::Tensor& fine,
+                                   const at::Tensor& lower, const at::Tensor& scale,
+                                   const at::Tensor& fine_lower, const at::Tensor& fine_scale,
+                                   at::IntArrayRef shape, int64_t group_dim, int64_t group_size,
+                                   at::ScalarType dtype) {
+  constexpr const char* op = "mmseg_mesa::dequantize_refined";
+  const GroupLayout layout =
+      check_dequantize_refined_args(op, codes, fine, lower, scale, fine_lower, fine_scale, shape,
+                                    group_dim, group_size, dtype, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(codes.device());
+  at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
+  if (layout.numel == 0) {
+    return out;
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto blocks =
+      static_cast<unsigned>(elementwise_blocks(codes, (layout.numel + kChunk - 1) / kChunk));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, op, [&] {
+    dequantize_refined_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+        codes.const_data_ptr<uint8_t>(), fine.const_data_ptr<uint8_t>(),
+        lower.const_data_ptr<float>(), scale.const_data_ptr<float>(),
+        fine_lower.const_data_ptr<float>(), fine_scale.const_data_ptr<float>(),
+        out.mutable_data_ptr<scalar_t>(), layout);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

@@ -331,6 +331,27 @@ MESA_HD float decode(uint8_t code, float lower, float scale) {
   return add_rn(mul_rn(static_cast<float>(code), scale), lower);
 }
 
+// ---------------------------------------------------------------- refined codes
+
+// Refined codes (quantizer.refine) are 8-bit codes and the 8-bit codes of what they miss, made
+// over one coarse step either way of each group: the fine codes' lower is -scale and their
+// step scale / 127.5, both rounded as the reference's torch ops round them. Rounding to nearest:
+// the second pass draws nothing.
+MESA_HD float fine_step(float scale) {
+  return div_rn(scale, 127.5f);
+}
+
+// The fine code of an element whose fp32 value is `v` and coarse code `code`.
+MESA_HD uint8_t fine_code(float v, uint8_t code, float lower, float scale, float step) {
+  return encode<false>(sub_rn(v, decode(code, lower, scale)), -scale, step, 255.0f, 0.0f);
+}
+
+// Both codes decoded and added in fp32, as the reference adds the two decoded tensors.
+MESA_HD float decode_refined(uint8_t code, uint8_t fine, float lower, float scale,
+                             float fine_lower, float fine_scale) {
+  return add_rn(decode(code, lower, scale), decode(fine, fine_lower, fine_scale));
+}
+
 // The codes of one chunk: `values` holds its kChunk inputs converted to fp32 (those past the
 // end of the tensor are ignored), `cursor` is at `begin` and is left at the next chunk.
 template <bool kStochastic>

@@ -20,6 +20,9 @@
 // codes and the lower and scale that decode them. With mean and rstd (one per group) the range
 // is observed in (x - mean) * rstd, and the codes and their lower / scale are those of that
 // standardized tensor (quantizer.pack_standardized). On CUDA: a memset and two kernels.
+// refine: the fine codes of x's 8-bit codes (what they miss, over one coarse step either way of
+// each group, to nearest) and their lower and scale (quantizer.refine); with mean and rstd, of
+// the standardized (x - mean) * rstd. dequantize_refined: both codes decoded and added in fp32.
 // pack_mask / unpack_mask: a bool tensor as 1 bit per element (bitpack.py's layout); CPU only.
 // pack_positive: pack_mask(x > 0) in one pass; mask_select: values where the packed mask's bit is
 // set, else +0 (ReLU's forward and backward); CPU only.
@@ -28,6 +31,8 @@ TORCH_LIBRARY(mmseg_mesa, m) {
   m.def(mmseg_mesa::schema::kQuantize);
   m.def(mmseg_mesa::schema::kDequantize);
   m.def(mmseg_mesa::schema::kObserveQuantize);
+  m.def(mmseg_mesa::schema::kRefine);
+  m.def(mmseg_mesa::schema::kDequantizeRefined);
   m.def("pack_mask(Tensor mask) -> Tensor");
   m.def("unpack_mask(Tensor bytes, int[] shape) -> Tensor");
   m.def("pack_positive(Tensor x) -> Tensor");
@@ -39,6 +44,8 @@ TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
   m.impl("quantize", &mmseg_mesa::quantize_cpu);
   m.impl("dequantize", &mmseg_mesa::dequantize_cpu);
   m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cpu);
+  m.impl("refine", &mmseg_mesa::refine_cpu);
+  m.impl("dequantize_refined", &mmseg_mesa::dequantize_refined_cpu);
   m.impl("pack_mask", &mmseg_mesa::pack_mask_cpu);
   m.impl("unpack_mask", &mmseg_mesa::unpack_mask_cpu);
   m.impl("pack_positive", &mmseg_mesa::pack_positive_cpu);
@@ -51,6 +58,8 @@ TORCH_LIBRARY_IMPL(mmseg_mesa, CUDA, m) {
   m.impl("quantize", &mmseg_mesa::quantize_cuda);
   m.impl("dequantize", &mmseg_mesa::dequantize_cuda);
   m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cuda);
+  m.impl("refine", &mmseg_mesa::refine_cuda);
+  m.impl("dequantize_refined", &mmseg_mesa::dequantize_refined_cuda);
 }
 #endif
 

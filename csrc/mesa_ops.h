@@ -23,6 +23,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
     const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
     int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
     int64_t seed, int64_t offset, bool pack);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> refine_cpu(
+    const at::Tensor& x, const at::Tensor& codes, const at::Tensor& lower,
+    const at::Tensor& scale, const std::optional<at::Tensor>& mean,
+    const std::optional<at::Tensor>& rstd, int64_t group_dim, int64_t group_size);
+at::Tensor dequantize_refined_cpu(const at::Tensor& codes, const at::Tensor& fine,
+                                  const at::Tensor& lower, const at::Tensor& scale,
+                                  const at::Tensor& fine_lower, const at::Tensor& fine_scale,
+                                  at::IntArrayRef shape, int64_t group_dim, int64_t group_size,
+                                  at::ScalarType dtype);
 at::Tensor pack_mask_cpu(const at::Tensor& mask);
 at::Tensor unpack_mask_cpu(const at::Tensor& bytes, at::IntArrayRef shape);
 at::Tensor pack_positive_cpu(const at::Tensor& x);
@@ -45,6 +54,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
     const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
     int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
     int64_t seed, int64_t offset, bool pack);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> refine_cuda(
+    const at::Tensor& x, const at::Tensor& codes, const at::Tensor& lower,
+    const at::Tensor& scale, const std::optional<at::Tensor>& mean,
+    const std::optional<at::Tensor>& rstd, int64_t group_dim, int64_t group_size);
+at::Tensor dequantize_refined_cuda(const at::Tensor& codes, const at::Tensor& fine,
+                                   const at::Tensor& lower, const at::Tensor& scale,
+                                   const at::Tensor& fine_lower, const at::Tensor& fine_scale,
+                                   at::IntArrayRef shape, int64_t group_dim, int64_t group_size,
+                                   at::ScalarType dtype);
 const char* compiled_cuda_archs();
 int compiled_cuda_version();
 
@@ -65,4 +83,11 @@ inline constexpr const char* kObserveQuantize =
     "observe_quantize(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, "
     "Tensor? mean, Tensor? rstd, int group_dim, int group_size, float decay, int bits, "
     "bool stochastic, int seed, int offset, bool pack) -> (Tensor, Tensor, Tensor)";
+inline constexpr const char* kRefine =
+    "refine(Tensor x, Tensor codes, Tensor lower, Tensor scale, Tensor? mean, Tensor? rstd, "
+    "int group_dim, int group_size) -> (Tensor, Tensor, Tensor)";
+inline constexpr const char* kDequantizeRefined =
+    "dequantize_refined(Tensor codes, Tensor fine, Tensor lower, Tensor scale, "
+    "Tensor fine_lower, Tensor fine_scale, int[] shape, int group_dim, int group_size, "
+    "ScalarType dtype) -> Tensor";
 }  // namespace mmseg_mesa::schema

@@ -73,6 +73,21 @@ class QuantBackend(Protocol):
         (``reference.observe_then_quantize``)."""
         ...
 
+    def refine(self, x: torch.Tensor, codes: torch.Tensor, lower: torch.Tensor,
+               scale: torch.Tensor, group_dim: int, group_size: int,
+               mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fine codes of ``x``'s 8-bit ``codes`` with their lower and scale
+        (``reference.refine_reference``)."""
+        ...
+
+    def dequantize_refined(self, codes: torch.Tensor, fine: torch.Tensor, lower: torch.Tensor,
+                           scale: torch.Tensor, fine_lower: torch.Tensor,
+                           fine_scale: torch.Tensor, group_dim: int, group_size: int,
+                           dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """Coarse and fine codes decoded and added in fp32, in ``dtype``."""
+        ...
+
     def pack_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """A mask as 1 bit per element, in ``bitpack``'s layout."""
         ...

@@ -77,6 +77,24 @@ def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
     return _codes(x, bits, pack), lower.new_empty((groups,)), lower.new_empty((groups,))
 
 
+@register_fake('mmseg_mesa::refine')
+def refine(x: torch.Tensor, codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor,
+           mean: torch.Tensor | None, rstd: torch.Tensor | None, group_dim: int,
+           group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups = _groups(x.shape, group_dim, group_size)
+    return x.new_empty(x.shape, dtype=torch.uint8), lower.new_empty((groups,)), lower.new_empty(
+        (groups,))
+
+
+@register_fake('mmseg_mesa::dequantize_refined')
+def dequantize_refined(codes: torch.Tensor, fine: torch.Tensor, lower: torch.Tensor,
+                       scale: torch.Tensor, fine_lower: torch.Tensor, fine_scale: torch.Tensor,
+                       shape: list[int], group_dim: int, group_size: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    _groups(shape, group_dim, group_size)
+    return codes.new_empty(shape, dtype=dtype)
+
+
 @register_fake('mmseg_mesa::pack_mask')
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     return _mask_bytes(mask)

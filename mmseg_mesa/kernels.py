@@ -81,6 +81,24 @@ def observe_then_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tens
                                   group_size, decay, bits, stochastic, pack, counter)
 
 
+def refine(x: torch.Tensor, codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor,
+           group_dim: int, group_size: int, mean: torch.Tensor | None = None,
+           rstd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(fine codes, their lower, their scale)`` of ``x``'s 8-bit ``codes``, in one call
+    (``refine_reference``): on CUDA one kernel, where the torch ops took five."""
+    return _ops.refine(x, codes, lower, scale, mean, rstd, group_dim, group_size)
+
+
+def dequantize_refined(codes: torch.Tensor, fine: torch.Tensor, lower: torch.Tensor,
+                       scale: torch.Tensor, fine_lower: torch.Tensor, fine_scale: torch.Tensor,
+                       group_dim: int, group_size: int, dtype: torch.dtype,
+                       shape: torch.Size) -> torch.Tensor:
+    """Both codes decoded and added in fp32, in ``dtype`` (``dequantize_refined_reference``),
+    in one call."""
+    return _ops.dequantize_refined(codes, fine, lower, scale, fine_lower, fine_scale,
+                                   list(shape), group_dim, group_size, dtype)
+
+
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """A contiguous bool CPU tensor as 1 bit per element, in ``bitpack``'s layout."""
     return _ops.pack_mask(mask)
@@ -152,6 +170,8 @@ class CpuKernels:
     quantize = staticmethod(quantize)
     dequantize = staticmethod(dequantize)
     observe_quantize = staticmethod(observe_quantize)
+    refine = staticmethod(refine)
+    dequantize_refined = staticmethod(dequantize_refined)
 
     @staticmethod
     def pack_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -181,8 +201,8 @@ class CpuKernels:
 
 
 class CudaKernels:
-    """The compiled kernels for CUDA tensors: observe (a memset and one kernel), quantize and
-    dequantize (one kernel each), and observe_quantize (a memset and two kernels, standardized
+    """The compiled kernels for CUDA tensors: observe (a memset and one kernel), quantize,
+    dequantize, refine and dequantize_refined (one kernel each), and observe_quantize (a memset and two kernels, standardized
     values included). Masks run the reference's torch ops: there are no CUDA mask kernels.
     """
 
@@ -204,6 +224,8 @@ class CudaKernels:
     dequantize = staticmethod(dequantize)
 
     observe_quantize = staticmethod(observe_quantize)
+    refine = staticmethod(refine)
+    dequantize_refined = staticmethod(dequantize_refined)
 
     pack_mask = staticmethod(REFERENCE.pack_mask)
     unpack_mask = staticmethod(REFERENCE.unpack_mask)

@@ -80,19 +80,41 @@ def quantized(x: torch.Tensor, spec: QuantSpec, lower: torch.Tensor, scale: torc
                   spec.backend, order)
 
 
-def refine(packed: Packed | Refined, x: torch.Tensor) -> Refined:
+def refine(packed: Packed | Refined, x: torch.Tensor, mean: torch.Tensor | None = None,
+           rstd: torch.Tensor | None = None) -> Refined:
     """``x``'s 8-bit codes ``packed`` with a second 8-bit pass over what they miss: about 16
     bits (``Refined``; codes refined already, a 16-bit layer's, are returned as they are). The
     second pass rounds to nearest over one coarse step either way of each group, so it draws
-    nothing from the rounding stream: later layers' codes stay those of a run without it."""
+    nothing from the rounding stream: later layers' codes stay those of a run without it. With
+    ``mean`` and ``rstd`` (one per group), ``packed`` holds the codes of ``(x - mean) * rstd``
+    (``ActivationQuantizer.pack_standardized``). One backend call (``refine_reference``), made
+    in the layout the codes were made in."""
     if isinstance(packed, Refined):
         return packed
-    residual = x.detach().float() - unpack(packed, torch.float32)
+    if packed.bits != 8:  # bit-packed codes: the same numerics through torch's ops
+        return Refined(packed, _fine_codes(packed, x, mean, rstd))
+    order = packed.order
+    stored = x.detach() if order is None else x.detach().permute(order)
+    fine, lower, scale = select_backend(x, packed.backend).refine(
+        stored.contiguous(), packed.data, packed.lower, packed.scale,
+        stored_dim(packed.group_dim, order), packed.group_size, mean, rstd)
+    return Refined(packed, Packed(fine, lower, scale, packed.shape, torch.float32, 8,
+                                  packed.group_dim, packed.group_size, packed.backend, order))
+
+
+def _fine_codes(packed: Packed, x: torch.Tensor, mean: torch.Tensor | None,
+                rstd: torch.Tensor | None) -> Packed:
+    """``refine``'s second pass over codes of fewer than 8 bits, which the kernels' one call
+    does not read."""
+    value = x.detach().float()
+    if mean is not None:
+        shape = [1] * x.dim()
+        shape[packed.group_dim] = -1
+        value = (value - mean.view(shape)) * rstd.view(shape)
     spec = QuantSpec(bits=8, group_dim=packed.group_dim, group_size=packed.group_size,
                      stochastic=False, backend=packed.backend)
-    # the span of two coarse steps: its step is 2 * scale / 255 (scale_from_span's, a coarse
-    # step being positive), which scale / 127.5 rounds to exactly
-    return Refined(packed, quantized(residual, spec, -packed.scale, packed.scale / 127.5))
+    return quantized(value - unpack(packed, torch.float32), spec, -packed.scale,
+                     packed.scale / 127.5)
 
 
 def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -119,9 +141,17 @@ def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
         return unpack(replace(source, lower=lower, scale=scale), dtype or packed.dtype)
     if isinstance(packed, Mapped):
         return packed.fn(unpack(packed.source, torch.float32)).to(dtype or packed.dtype)
-    if isinstance(packed, Refined):
+    if isinstance(packed, Refined) and packed.coarse.bits != 8:
         coarse = unpack(packed.coarse, torch.float32)
         return coarse.add_(unpack(packed.fine, torch.float32)).to(dtype or packed.dtype)
+    if isinstance(packed, Refined):
+        coarse, fine = packed.coarse, packed.fine
+        order = coarse.order
+        out = select_backend(coarse.data, coarse.backend).dequantize_refined(
+            coarse.data.contiguous(), fine.data.contiguous(), coarse.lower, coarse.scale,
+            fine.lower, fine.scale, stored_dim(coarse.group_dim, order), coarse.group_size,
+            dtype or packed.dtype, coarse.stored_shape)
+        return out if order is None else out.permute(inverse_order(order))
     if not isinstance(packed, Packed):
         return packed.restore(dtype)
     data, order = packed.data, packed.order
@@ -248,6 +278,4 @@ class ActivationQuantizer(nn.Module):
                         spec.backend, order)
         if not refined and spec.bits != REFINED_BITS:
             return packed
-        shape = [1] * x.dim()
-        shape[group_dim] = -1
-        return refine(packed, (x.detach().float() - mean.view(shape)) * rstd.view(shape))
+        return refine(packed, x, mean, rstd)

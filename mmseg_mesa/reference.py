@@ -316,6 +316,40 @@ def dequantize_packed_reference(packed: Packed, dtype: torch.dtype | None = None
     return _dequantize_pieces(packed, dtype or packed.dtype, codes_of)
 
 
+def refine_reference(x: torch.Tensor, codes: torch.Tensor, lower: torch.Tensor,
+                     scale: torch.Tensor, group_dim: int, group_size: int,
+                     mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fine codes of ``x``'s 8-bit ``codes`` (one per element; with ``mean`` and ``rstd``,
+    one per group, the codes of ``(x - mean) * rstd``) and the lower and scale that decode
+    them: what the codes miss, rounded to nearest over one coarse step either way of each group
+    (``-scale`` up to ``scale``, a step of ``scale / 127.5``)."""
+    v = x.float()
+    if mean is not None:
+        ndim = x.dim()
+        channels = x.shape[group_dim]
+        v = (v - channel_view(mean, channels, group_size, group_dim, ndim)) * channel_view(
+            rstd, channels, group_size, group_dim, ndim)
+    coarse = Packed(codes, lower, scale, x.shape, torch.float32, 8, group_dim, group_size)
+    residual = v - dequantize_reference(codes, coarse, torch.float32)
+    fine_lower, fine_scale = -scale, scale / 127.5
+    spec = QuantSpec(bits=8, group_dim=group_dim, group_size=group_size, stochastic=False)
+    return (quantize_reference(residual, fine_lower, fine_scale, spec, group_dim), fine_lower,
+            fine_scale)
+
+
+def dequantize_refined_reference(codes: torch.Tensor, fine: torch.Tensor, lower: torch.Tensor,
+                                 scale: torch.Tensor, fine_lower: torch.Tensor,
+                                 fine_scale: torch.Tensor, group_dim: int, group_size: int,
+                                 dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """Both 8-bit codes of ``shape`` decoded in fp32 and added, in ``dtype``."""
+    def decoded(data: torch.Tensor, lo: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+        packed = Packed(data, lo, sc, shape, torch.float32, 8, group_dim, group_size)
+        return dequantize_reference(data, packed, torch.float32)
+
+    return decoded(codes, lower, scale).add_(decoded(fine, fine_lower, fine_scale)).to(dtype)
+
+
 def observe_then_quantize(observe: Callable[..., torch.Tensor],
                           quantize: Callable[..., torch.Tensor], x: torch.Tensor,
                           lower: torch.Tensor, span: torch.Tensor, seen: torch.Tensor,
@@ -405,6 +439,8 @@ class Reference:
                                      group_dim, group_size, decay, bits, stochastic, pack,
                                      counter, mean, rstd)
 
+    refine = staticmethod(refine_reference)
+    dequantize_refined = staticmethod(dequantize_refined_reference)
     pack_mask = staticmethod(bitpack.pack_mask)
     unpack_mask = staticmethod(bitpack.unpack_mask)
 

@@ -25,8 +25,8 @@ from . import _backend, state
 from ._backend import QuantBackend
 from .reference import REFERENCE, scale_from_span
 
-OPS = ('observe', 'quantize', 'dequantize', 'observe_quantize', 'pack_mask', 'unpack_mask',
-       'pack_positive', 'mask_select')
+OPS = ('observe', 'quantize', 'dequantize', 'observe_quantize', 'refine', 'dequantize_refined',
+       'pack_mask', 'unpack_mask', 'pack_positive', 'mask_select')
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # (shape, group_dim, group_size), group_dim non-negative as the backends take it: channels in
 # the middle with a partial last group, channels last (the kernels' per-element pattern), and
@@ -177,6 +177,33 @@ def _observe_quantize(backend: QuantBackend, device: torch.device) -> Iterator[_
                             _estimates(groups, device), *args))
 
 
+def _refined(device: torch.device) -> Iterator[tuple[str, tuple, tuple]]:
+    """Per layout, plain and standardized: a label, the 8-bit codes' arguments to ``refine``
+    and the fine codes' to ``dequantize_refined``."""
+    for label, x, dim, size, lower, span in _layouts(device):
+        groups = lower.numel()
+        for mean, rstd in ((None, None), (torch.linspace(-1, 1, groups, device=device),
+                                          torch.linspace(0.5, 2, groups, device=device))):
+            scale = scale_from_span(span, 8)
+            codes = REFERENCE.quantize(x if mean is None else x.float(), lower, scale, 8, dim,
+                                       size, False)
+            refine_args = (x, codes, lower, scale, dim, size, mean, rstd)
+            fine = REFERENCE.refine(*refine_args)
+            yield (f'{label} standardized={mean is not None}', refine_args,
+                   (codes, fine[0], lower, scale, fine[1], fine[2], dim, size, x.dtype, x.shape))
+
+
+def _refine(backend: QuantBackend, device: torch.device) -> Iterator[_Case]:
+    for label, args, _ in _refined(device):
+        yield _Case(label, partial(backend.refine, *args), partial(REFERENCE.refine, *args))
+
+
+def _dequantize_refined(backend: QuantBackend, device: torch.device) -> Iterator[_Case]:
+    for label, _, args in _refined(device):
+        yield _Case(label, partial(backend.dequantize_refined, *args),
+                    partial(REFERENCE.dequantize_refined, *args))
+
+
 def _masks(device: torch.device) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """Per layout: a label, a bool mask and its packed bytes."""
     for shape, _, _ in LAYOUTS:
@@ -210,7 +237,8 @@ def _mask_select(backend: QuantBackend, device: torch.device) -> Iterator[_Case]
 
 CASES: dict[str, Callable[[QuantBackend, torch.device], Iterator[_Case]]] = {
     'observe': _observe, 'quantize': _quantize, 'dequantize': _dequantize,
-    'observe_quantize': _observe_quantize, 'pack_mask': _pack_mask,
+    'observe_quantize': _observe_quantize, 'refine': _refine,
+    'dequantize_refined': _dequantize_refined, 'pack_mask': _pack_mask,
     'unpack_mask': _unpack_mask, 'pack_positive': _pack_positive, 'mask_select': _mask_select}
 
 

@@ -24,10 +24,13 @@ from mmseg_mesa import _backend, kernels, selfcheck
 from mmseg_mesa.bitpack import pack_bits
 from mmseg_mesa.quantizer import Packed, QuantSpec, ema_update, group_min_max, scale_from_span
 from mmseg_mesa.reference import (
+    channel_view,
     dequantize_packed_reference,
     dequantize_reference,
+    dequantize_refined_reference,
     quantize_packed_reference,
     quantize_reference,
+    refine_reference,
 )
 
 SANITIZED = os.environ.get('MESA_EMU_SANITIZE') == '1'
@@ -207,6 +210,59 @@ def test_emulated_observe_quantize_matches_cpu(emu, cpu, shape, group_dim, group
                     assert torch.equal(a, b), (dtype, bits, stochastic, pack, step)
 
 
+@pytest.mark.parametrize('standardized', [False, True])
+@pytest.mark.parametrize('machine', MACHINES[::2], ids=lambda m: f'{m[0]}sm-{m[1]}w')
+@pytest.mark.parametrize('shape, group_dim, group_size', LAYOUTS)
+def test_emulated_refine_matches_cpu_and_reference(emu, cpu, shape, group_dim, group_size,
+                                                   machine, standardized):
+    """Refined codes in one op each way (``quantizer.refine``, ``unpack`` of ``Refined``): the
+    fine codes, their lower and scale, and both decoded, emulated == CPU == reference; NaN and
+    infinities among the values, standardized (``pack_standardized``) or not."""
+    emu.configure(*machine)
+    dim = group_dim % len(shape)
+    groups = -(-shape[dim] // group_size)
+    generator = torch.Generator().manual_seed(groups + 1)
+    mean = rstd = None
+    if standardized:
+        mean = torch.randn(groups, generator=generator)
+        rstd = torch.rand(groups, generator=generator) * 3 + 0.01
+    large = math.prod(shape) > 20000
+    for dtype in (DTYPES[:1] if large else DTYPES):
+        x = sample(shape, dtype, 1)
+        values = x.float() if mean is None else (
+            (x.float() - channel_view(mean, shape[dim], group_size, dim, x.dim()))
+            * channel_view(rstd, shape[dim], group_size, dim, x.dim()))
+        lo, hi = group_min_max(values, dim, group_size)
+        finite = torch.isfinite(lo) & torch.isfinite(hi)
+        lower = torch.where(finite, lo, 0.0)
+        scale = scale_from_span(torch.where(finite, hi - lo, 0.0), 8)
+        spec = QuantSpec(bits=8, group_dim=dim, group_size=group_size, stochastic=True)
+        codes = quantize_reference(values, lower, scale, spec, dim, (5, 7))
+        got = emu.refine(x, codes, lower, scale, mean, rstd, dim, group_size)
+        want = refine_reference(x, codes, lower, scale, dim, group_size, mean, rstd)
+        for a, b, c in zip(got, cpu.refine(x, codes, lower, scale, mean, rstd, dim, group_size),
+                           want):
+            assert torch.equal(a, b) and torch.equal(a, c), dtype
+        fine, fine_lower, fine_scale = got
+        for out_dtype in {dtype, torch.float32}:
+            args = (codes, fine, lower, scale, fine_lower, fine_scale, list(shape), dim,
+                    group_size, out_dtype)
+            decoded = emu.dequantize_refined(*args)
+            assert decoded.dtype == out_dtype
+            assert torch.equal(decoded, cpu.dequantize_refined(*args))
+            assert torch.equal(decoded, dequantize_refined_reference(
+                codes, fine, lower, scale, fine_lower, fine_scale, dim, group_size, out_dtype,
+                torch.Size(shape)))
+        # what the fine codes buy: within a fine step of the values the codes cover
+        near = torch.isfinite(values) & (values >= channel_view(lower, shape[dim], group_size,
+                                                                dim, x.dim()))
+        error = (dequantize_refined_reference(codes, fine, lower, scale, fine_lower, fine_scale,
+                                              dim, group_size, torch.float32,
+                                              torch.Size(shape)) - values)[near].abs()
+        step = channel_view(fine_scale, shape[dim], group_size, dim, x.dim()).expand(shape)
+        assert (error <= step[near] * 0.5001 + 1e-6 * values[near].abs()).all()
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
 def test_constant_and_nonfinite_groups(emu, cpu, dtype):
     """Groups that are constant, all NaN, all +inf, only -inf and +inf, or finite with NaN."""
@@ -278,6 +334,10 @@ def test_invalid_arguments_are_refused_as_on_cpu(emu, cpu):
         ('dequantize', (x, lower, scale, 8, [8, 16], 1, 8, torch.float32), 'codes must be'),
         ('observe', (x, lower, scale, lower.clone(), 1, 8, 0.9), 'seen must be Bool'),
         ('observe', (x, lower, scale, seen, 2, 8, 0.9), 'out of range'),
+        ('refine', (x, x, lower, scale, None, None, 1, 8), 'codes must be uint8'),
+        ('refine', (x, x.byte(), lower, scale, lower, None, 1, 8), 'given together'),
+        ('dequantize_refined', (x.byte(), x.byte()[:4], lower, scale, lower, scale, [8, 16],
+                                1, 8, torch.float32), 'fine must be uint8'),
     ]
     for op, args, message in cases:
         for ops in (emu, cpu):
@@ -319,11 +379,16 @@ def test_every_kernel_and_host_entry_point_runs(emu):
     for stochastic in (False, True):
         codes = emu.quantize(x, state[0], scale, 2, 1, 8, stochastic, 1, 2, True)
     emu.dequantize(codes, state[0], scale, 2, [4, 37], 1, 8, torch.float32)
-    emu.observe_quantize(x, *state, None, None, 1, 8, 0.9, 8, True, 1, 2, False)
+    codes, lower, scale = emu.observe_quantize(x, *state, None, None, 1, 8, 0.9, 8, True, 1, 2,
+                                               False)
+    fine, fine_lower, fine_scale = emu.refine(x, codes, lower, scale, None, None, 1, 8)
+    emu.dequantize_refined(codes, fine, lower, scale, fine_lower, fine_scale, [4, 37], 1, 8,
+                           torch.float32)
     assert set(launched(emu.launch_log())) >= kernel_names()
     assert emu.poison_reads() == 0
     entry_points = set(re.findall(r'^\S.* (\w+)_cuda\(', emu_build.KERNELS.read_text(), re.M))
-    assert entry_points == {'observe', 'quantize', 'dequantize', 'observe_quantize'}
+    assert entry_points == {'observe', 'quantize', 'dequantize', 'observe_quantize', 'refine',
+                            'dequantize_refined'}
     assert all(hasattr(emu, name) for name in entry_points)
     assert 'cuda_version=' in emu.build_facts()
 
@@ -334,6 +399,8 @@ LAUNCHES = {
     'observe_quantize': ['memset', 'group_min_max_kernel', 'quantize_kernel'],
     'quantize': ['quantize_kernel'],
     'dequantize': ['dequantize_kernel'],
+    'refine': ['refine_kernel'],
+    'dequantize_refined': ['dequantize_refined_kernel'],
 }
 
 
@@ -351,6 +418,11 @@ def test_launches_per_op(emu, shape, group_dim, group_size):
         'dequantize': lambda: emu.dequantize(torch.zeros(shape, dtype=torch.uint8), state[0],
                                              state[1], 8, list(shape), group_dim, group_size,
                                              torch.float32),
+        'refine': lambda: emu.refine(x, torch.zeros(shape, dtype=torch.uint8), state[0],
+                                     state[1], None, None, group_dim, group_size),
+        'dequantize_refined': lambda: emu.dequantize_refined(
+            *[torch.zeros(shape, dtype=torch.uint8)] * 2, *state[:2], *state[:2], list(shape),
+            group_dim, group_size, torch.float32),
     }
     for op, call in calls.items():
         emu.clear_launch_log()
