@@ -128,9 +128,19 @@ def decoded_heads(packed: Any, heads: int) -> torch.Tensor:
 
 
 def unpack_heads(packed: Any, heads: int) -> torch.Tensor:
-    """``decoded_heads``, contiguous (backward's matmuls would each copy a strided operand
-    again)."""
-    return decoded_heads(packed, heads).contiguous()
+    """``decoded_heads``, laid out for backward's matmuls: as decoded where its batch and head
+    dims fold into one without a copy (codes of tokens-first operands, as
+    ``nn.MultiheadAttention`` makes them), else contiguous (each matmul would copy it again)."""
+    x = decoded_heads(packed, heads)
+    return x if batched_matmul_view(x) else x.contiguous()
+
+
+def batched_matmul_view(x: torch.Tensor) -> bool:
+    """Whether ``torch.matmul`` reads a ``(B, H, N, d)`` operand as a batch of matrices without
+    copying it: ``B`` and ``H`` fold into one strided dim, and each matrix has a unit stride."""
+    batch, heads = x.shape[:2]
+    folds = batch == 1 or heads == 1 or x.stride(0) == x.stride(1) * heads
+    return folds and min(x.stride(2), x.stride(3)) == 1
 
 
 def decoded_qkv(packed: Any, heads: int) -> torch.Tensor:
