@@ -216,6 +216,43 @@ inline GroupLayout check_dequantize_refined_args(
   return layout;
 }
 
+// Validates norm_terms' arguments: fp32 vectors of one value per channel.
+inline int64_t check_norm_terms_args(const char* op, const at::Tensor& rstd,
+                                     const at::Tensor& decoded_invstd,
+                                     const std::optional<at::Tensor>& weight,
+                                     c10::DeviceType device) {
+  const int64_t channels = rstd.numel();
+  const auto check = [&](const char* name, const at::Tensor& t) {
+    check_contiguous(op, name, t, device);
+    check_same_device(op, name, t, rstd);
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == channels, op,
+                ": ", name, " must be a float32 vector of ", channels, " channels, got ",
+                t.scalar_type(), " of shape ", t.sizes());
+  };
+  check("rstd", rstd);
+  check("decoded_invstd", decoded_invstd);
+  if (weight.has_value()) {
+    check("weight", *weight);
+  }
+  return channels;
+}
+
+// Validates dequantize's optional divisor: one fp32 value per row of the output, rows being
+// equal consecutive runs of its elements; returns the row length (0 without a divisor).
+inline int64_t check_divisor(const char* op, const std::optional<at::Tensor>& divisor,
+                             const at::Tensor& codes, const GroupLayout& layout) {
+  if (!divisor.has_value()) {
+    return 0;
+  }
+  check_contiguous(op, "divisor", *divisor, codes.device().type());
+  check_same_device(op, "divisor", *divisor, codes);
+  const int64_t rows = divisor->numel();
+  TORCH_CHECK(divisor->scalar_type() == at::kFloat && rows > 0 && layout.numel % rows == 0, op,
+              ": divisor must be float32 with one value per row of the ", layout.numel,
+              " values, got ", divisor->scalar_type(), " with ", rows);
+  return layout.numel / rows;
+}
+
 // What quantize returns: one code per element shaped like x, or the packed bytes (flat) when
 // `pack` and bits < 8.
 inline std::vector<int64_t> quantized_shape(const at::Tensor& x, int64_t bits, bool pack) {

@@ -630,19 +630,44 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& lower, const at::
 
 at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
                           const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
-                          int64_t group_dim, int64_t group_size, at::ScalarType dtype) {
+                          int64_t group_dim, int64_t group_size, at::ScalarType dtype,
+                          const std::optional<at::Tensor>& divisor) {
   constexpr const char* op = "mmseg_mesa::dequantize";
   const GroupLayout layout = check_dequantize_args(op, codes, lower, scale, bits, shape,
                                                    group_dim, group_size, dtype,
                                                    c10::DeviceType::CPU);
+  const int64_t row_len = check_divisor(op, divisor, codes, layout);
   at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
   if (layout.numel == 0) {
     return out;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, op, [&] {
+  // With a divisor the fp32 values are divided by their row's before the cast: decoded into
+  // fp32 (the output itself where it is fp32), then divided in a second pass.
+  const at::Tensor decoded =
+      row_len > 0 && dtype != at::kFloat ? at::empty(shape, codes.options().dtype(at::kFloat))
+                                         : out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, decoded.scalar_type(), op, [&] {
     dequantize_loop<scalar_t>(codes.const_data_ptr<uint8_t>(), lower.const_data_ptr<float>(),
-                              scale.const_data_ptr<float>(), out.mutable_data_ptr<scalar_t>(),
-                              layout, static_cast<int>(bits));
+                              scale.const_data_ptr<float>(),
+                              decoded.mutable_data_ptr<scalar_t>(), layout,
+                              static_cast<int>(bits));
+  });
+  if (row_len == 0) {
+    return out;
+  }
+  const float* values = decoded.const_data_ptr<float>();
+  const float* d = divisor->const_data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, op, [&] {
+    scalar_t* result = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, layout.numel / row_len, std::max<int64_t>(1, kGrainElements / row_len),
+                     [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        const float by = d[row];
+        for (int64_t i = row * row_len; i < (row + 1) * row_len; ++i) {
+          result[i] = static_cast<scalar_t>(div_rn(values[i], by));
+        }
+      }
+    });
   });
   return out;
 }
@@ -737,6 +762,30 @@ at::Tensor dequantize_refined_cpu(const at::Tensor& codes, const at::Tensor& fin
     });
   });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_terms_cpu(
+    const at::Tensor& rstd, const at::Tensor& decoded_invstd,
+    const std::optional<at::Tensor>& weight, double eps, double reliable) {
+  const int64_t channels = check_norm_terms_args("mmseg_mesa::norm_terms", rstd, decoded_invstd,
+                                                 weight, c10::DeviceType::CPU);
+  at::Tensor eps_share = at::empty({channels}, rstd.options());
+  at::Tensor spread = at::empty({channels}, rstd.options());
+  at::Tensor scale = at::empty({channels}, rstd.options());
+  const float* r = rstd.const_data_ptr<float>();
+  const float* d = decoded_invstd.const_data_ptr<float>();
+  const float* w = weight.has_value() ? weight->const_data_ptr<float>() : nullptr;
+  float* out_share = eps_share.mutable_data_ptr<float>();
+  float* out_spread = spread.mutable_data_ptr<float>();
+  float* out_scale = scale.mutable_data_ptr<float>();
+  for (int64_t c = 0; c < channels; ++c) {
+    const NormTerms t = norm_terms(r[c], d[c], w != nullptr ? w[c] : 1.0f, w != nullptr,
+                                   static_cast<float>(eps), static_cast<float>(reliable));
+    out_share[c] = t.eps_share;
+    out_spread[c] = t.spread;
+    out_scale[c] = t.scale;
+  }
+  return {eps_share, spread, scale};
 }
 
 at::Tensor pack_mask_cpu(const at::Tensor& mask) {

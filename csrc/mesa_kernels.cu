@@ -252,8 +252,10 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ x, const float* __r
 template <typename scalar_t>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ in,
                                   const float* __restrict__ lower,
-                                  const float* __restrict__ scale, scalar_t* __restrict__ out,
-                                  GroupLayout layout, int bits, bool aligned) {
+                                  const float* __restrict__ scale,
+                                  const float* __restrict__ divisor, int64_t row_len,
+                                  scalar_t* __restrict__ out, GroupLayout layout, int bits,
+                                  bool aligned) {
   const int64_t chunks = (layout.numel + kChunk - 1) / kChunk;
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   for (int64_t chunk = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; chunk < chunks;
@@ -281,6 +283,11 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ in,
     GroupCursor cursor(layout, begin);
     float values[kChunk];
     decode_chunk(codes, count, cursor, layout, lower, scale, values);
+    if (divisor != nullptr) {  // each value divided by its row's, in fp32
+      for (int j = 0; j < count; ++j) {
+        values[j] = div_rn(values[j], divisor[(begin + j) / row_len]);
+      }
+    }
     // The cast is the c10 conversion (round to nearest even) that Tensor.to(dtype) uses.
     if (aligned && count == kChunk) {
       ChunkOf<scalar_t> result;
@@ -349,6 +356,23 @@ __global__ void dequantize_refined_kernel(const uint8_t* __restrict__ codes,
           codes[begin + j], fine[begin + j], lower[g], scale[g], fine_lower[g], fine_scale[g]));
       cursor.advance(layout);
     }
+  }
+}
+
+// One thread per channel (grid-stride).
+__global__ void norm_terms_kernel(const float* __restrict__ rstd,
+                                  const float* __restrict__ decoded_invstd,
+                                  const float* __restrict__ weight, float eps, float reliable,
+                                  int64_t channels, float* __restrict__ eps_share,
+                                  float* __restrict__ spread, float* __restrict__ scale) {
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t c = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; c < channels; c += step) {
+    const NormTerms t = norm_terms(rstd[c], decoded_invstd[c],
+                                   weight != nullptr ? weight[c] : 1.0f, weight != nullptr, eps,
+                                   reliable);
+    eps_share[c] = t.eps_share;
+    spread[c] = t.spread;
+    scale[c] = t.scale;
   }
 }
 
@@ -498,11 +522,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
 
 at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
                            const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
-                           int64_t group_dim, int64_t group_size, at::ScalarType dtype) {
+                           int64_t group_dim, int64_t group_size, at::ScalarType dtype,
+                           const std::optional<at::Tensor>& divisor) {
   constexpr const char* op = "mmseg_mesa::dequantize";
   const GroupLayout layout = check_dequantize_args(op, codes, lower, scale, bits, shape,
                                                    group_dim, group_size, dtype,
                                                    c10::DeviceType::CUDA);
+  const int64_t row_len = check_divisor(op, divisor, codes, layout);
   const c10::cuda::CUDAGuard guard(codes.device());
   at::Tensor out = at::empty(shape, codes.options().dtype(dtype));
   if (layout.numel == 0) {
@@ -516,8 +542,9 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
     scalar_t* result = out.mutable_data_ptr<scalar_t>();
     const bool aligned = is_aligned(in, 8) && is_aligned(result, 16);
     dequantize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-        in, lower.const_data_ptr<float>(), scale.const_data_ptr<float>(), result, layout,
-        static_cast<int>(bits), aligned);
+        in, lower.const_data_ptr<float>(), scale.const_data_ptr<float>(),
+        divisor.has_value() ? divisor->const_data_ptr<float>() : nullptr, row_len, result,
+        layout, static_cast<int>(bits), aligned);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -579,6 +606,29 @@ at::Tensor dequantize_refined_cuda(const at::Tensor& codes, const at::Tensor& fi
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_terms_cuda(
+    const at::Tensor& rstd, const at::Tensor& decoded_invstd,
+    const std::optional<at::Tensor>& weight, double eps, double reliable) {
+  const int64_t channels = check_norm_terms_args("mmseg_mesa::norm_terms", rstd, decoded_invstd,
+                                                 weight, c10::DeviceType::CUDA);
+  const c10::cuda::CUDAGuard guard(rstd.device());
+  at::Tensor eps_share = at::empty({channels}, rstd.options());
+  at::Tensor spread = at::empty({channels}, rstd.options());
+  at::Tensor scale = at::empty({channels}, rstd.options());
+  if (channels == 0) {
+    return {eps_share, spread, scale};
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto blocks = static_cast<unsigned>(elementwise_blocks(rstd, channels));
+  norm_terms_kernel<<<blocks, kThreads, 0, stream>>>(
+      rstd.const_data_ptr<float>(), decoded_invstd.const_data_ptr<float>(),
+      weight.has_value() ? weight->const_data_ptr<float>() : nullptr, static_cast<float>(eps),
+      static_cast<float>(reliable), channels, eps_share.mutable_data_ptr<float>(),
+      spread.mutable_data_ptr<float>(), scale.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {eps_share, spread, scale};
 }
 
 // The architectures this file was compiled for (nvcc's __CUDA_ARCH_LIST__, e.g. "900").

@@ -14,6 +14,7 @@
 // the CPU kernels are compiled with -ffp-contract=off and without -ffast-math (setup.py).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -350,6 +351,34 @@ MESA_HD uint8_t fine_code(float v, uint8_t code, float lower, float scale, float
 MESA_HD float decode_refined(uint8_t code, uint8_t fine, float lower, float scale,
                              float fine_lower, float fine_scale) {
   return add_rn(decode(code, lower, scale), decode(fine, fine_lower, fine_scale));
+}
+
+// ---------------------------------------------------------------- BatchNorm's backward terms
+
+// Per channel, from the forward's 1/std `rstd` and the 1/std `decoded_invstd` of the decoded
+// normalized input: the share eps takes of the variance (eps * rstd * rstd), the spread the
+// normalized input had (sqrt(1 - that share) where it is at least `reliable`, else the codes'
+// own), and the factor the fused backward takes as its weight (rstd * weight / spread), each
+// rounded as the reference's torch ops (layers/norm.py) round them.
+struct NormTerms {
+  float eps_share;
+  float spread;
+  float scale;
+};
+
+MESA_HD NormTerms norm_terms(float rstd, float decoded_invstd, float weight, bool has_weight,
+                             float eps, float reliable) {
+  NormTerms t;
+  t.eps_share = add_rn(0.0f, mul_rn(mul_rn(eps, rstd), rstd));
+  const float target = sub_rn(1.0f, t.eps_share);
+#if defined(__CUDA_ARCH__)
+  const float root = __fsqrt_rn(target);
+#else
+  const float root = std::sqrt(target);
+#endif
+  t.spread = target >= reliable ? root : div_rn(1.0f, decoded_invstd);
+  t.scale = div_rn(has_weight ? mul_rn(rstd, weight) : rstd, t.spread);
+  return t;
 }
 
 // The codes of one chunk: `values` holds its kChunk inputs converted to fp32 (those past the

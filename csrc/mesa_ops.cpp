@@ -15,7 +15,8 @@
 // quantize: one code per element shaped like x, or with `pack` (and bits < 8) the flat bytes of
 // bitpack.py's layout. Stochastic rounding draws Philox4x32-10 keyed by `seed` at counters
 // `offset + i / 4` (mesa_numerics.h); the caller advances `offset` between calls.
-// dequantize: `codes` as quantize returned them for `shape` at `bits` per code.
+// dequantize: `codes` as quantize returned them for `shape` at `bits` per code; with a divisor
+// (one per row of equal consecutive runs), each value divided by its row's before the cast.
 // observe_quantize: observe, then quantize over the range it returns, in one call; returns the
 // codes and the lower and scale that decode them. With mean and rstd (one per group) the range
 // is observed in (x - mean) * rstd, and the codes and their lower / scale are those of that
@@ -23,6 +24,8 @@
 // refine: the fine codes of x's 8-bit codes (what they miss, over one coarse step either way of
 // each group, to nearest) and their lower and scale (quantizer.refine); with mean and rstd, of
 // the standardized (x - mean) * rstd. dequantize_refined: both codes decoded and added in fp32.
+// norm_terms: BatchNorm's per-channel backward terms from the forward's and the decoded input's
+// 1/std (layers/norm.py), one op where torch's took eight.
 // pack_mask / unpack_mask: a bool tensor as 1 bit per element (bitpack.py's layout); CPU only.
 // pack_positive: pack_mask(x > 0) in one pass; mask_select: values where the packed mask's bit is
 // set, else +0 (ReLU's forward and backward); CPU only.
@@ -33,6 +36,7 @@ TORCH_LIBRARY(mmseg_mesa, m) {
   m.def(mmseg_mesa::schema::kObserveQuantize);
   m.def(mmseg_mesa::schema::kRefine);
   m.def(mmseg_mesa::schema::kDequantizeRefined);
+  m.def(mmseg_mesa::schema::kNormTerms);
   m.def("pack_mask(Tensor mask) -> Tensor");
   m.def("unpack_mask(Tensor bytes, int[] shape) -> Tensor");
   m.def("pack_positive(Tensor x) -> Tensor");
@@ -46,6 +50,7 @@ TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
   m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cpu);
   m.impl("refine", &mmseg_mesa::refine_cpu);
   m.impl("dequantize_refined", &mmseg_mesa::dequantize_refined_cpu);
+  m.impl("norm_terms", &mmseg_mesa::norm_terms_cpu);
   m.impl("pack_mask", &mmseg_mesa::pack_mask_cpu);
   m.impl("unpack_mask", &mmseg_mesa::unpack_mask_cpu);
   m.impl("pack_positive", &mmseg_mesa::pack_positive_cpu);
@@ -60,6 +65,7 @@ TORCH_LIBRARY_IMPL(mmseg_mesa, CUDA, m) {
   m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cuda);
   m.impl("refine", &mmseg_mesa::refine_cuda);
   m.impl("dequantize_refined", &mmseg_mesa::dequantize_refined_cuda);
+  m.impl("norm_terms", &mmseg_mesa::norm_terms_cuda);
 }
 #endif
 

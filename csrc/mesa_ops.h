@@ -17,7 +17,8 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& lower, const at::
                         int64_t seed, int64_t offset, bool pack);
 at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& lower,
                           const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
-                          int64_t group_dim, int64_t group_size, at::ScalarType dtype);
+                          int64_t group_dim, int64_t group_size, at::ScalarType dtype,
+                          const std::optional<at::Tensor>& divisor);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
     const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
     const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
@@ -32,6 +33,9 @@ at::Tensor dequantize_refined_cpu(const at::Tensor& codes, const at::Tensor& fin
                                   const at::Tensor& fine_lower, const at::Tensor& fine_scale,
                                   at::IntArrayRef shape, int64_t group_dim, int64_t group_size,
                                   at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_terms_cpu(
+    const at::Tensor& rstd, const at::Tensor& decoded_invstd,
+    const std::optional<at::Tensor>& weight, double eps, double reliable);
 at::Tensor pack_mask_cpu(const at::Tensor& mask);
 at::Tensor unpack_mask_cpu(const at::Tensor& bytes, at::IntArrayRef shape);
 at::Tensor pack_positive_cpu(const at::Tensor& x);
@@ -48,7 +52,8 @@ at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& lower, const at:
                          int64_t seed, int64_t offset, bool pack);
 at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& lower,
                            const at::Tensor& scale, int64_t bits, at::IntArrayRef shape,
-                           int64_t group_dim, int64_t group_size, at::ScalarType dtype);
+                           int64_t group_dim, int64_t group_size, at::ScalarType dtype,
+                           const std::optional<at::Tensor>& divisor);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
     const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
     const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
@@ -63,6 +68,9 @@ at::Tensor dequantize_refined_cuda(const at::Tensor& codes, const at::Tensor& fi
                                    const at::Tensor& fine_lower, const at::Tensor& fine_scale,
                                    at::IntArrayRef shape, int64_t group_dim, int64_t group_size,
                                    at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_terms_cuda(
+    const at::Tensor& rstd, const at::Tensor& decoded_invstd,
+    const std::optional<at::Tensor>& weight, double eps, double reliable);
 const char* compiled_cuda_archs();
 int compiled_cuda_version();
 
@@ -78,7 +86,7 @@ inline constexpr const char* kQuantize =
     "bool stochastic, int seed, int offset, bool pack) -> Tensor";
 inline constexpr const char* kDequantize =
     "dequantize(Tensor codes, Tensor lower, Tensor scale, int bits, int[] shape, "
-    "int group_dim, int group_size, ScalarType dtype) -> Tensor";
+    "int group_dim, int group_size, ScalarType dtype, Tensor? divisor=None) -> Tensor";
 inline constexpr const char* kObserveQuantize =
     "observe_quantize(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, "
     "Tensor? mean, Tensor? rstd, int group_dim, int group_size, float decay, int bits, "
@@ -90,4 +98,7 @@ inline constexpr const char* kDequantizeRefined =
     "dequantize_refined(Tensor codes, Tensor fine, Tensor lower, Tensor scale, "
     "Tensor fine_lower, Tensor fine_scale, int[] shape, int group_dim, int group_size, "
     "ScalarType dtype) -> Tensor";
+inline constexpr const char* kNormTerms =
+    "norm_terms(Tensor rstd, Tensor decoded_invstd, Tensor? weight, float eps, "
+    "float reliable) -> (Tensor, Tensor, Tensor)";
 }  // namespace mmseg_mesa::schema

@@ -58,8 +58,10 @@ class QuantBackend(Protocol):
 
     def dequantize(self, codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor,
                    group_dim: int, group_size: int, dtype: torch.dtype, bits: int = 8,
-                   shape: torch.Size | None = None) -> torch.Tensor:
-        """``codes * scale + lower`` in ``dtype``, shaped ``shape`` (by default the codes')."""
+                   shape: torch.Size | None = None, divisor: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """``codes * scale + lower`` in ``dtype``, shaped ``shape`` (by default the codes'), each
+        value divided by its row's ``divisor`` (fp32, one per row) where given."""
         ...
 
     def observe_quantize(self, x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
@@ -86,6 +88,12 @@ class QuantBackend(Protocol):
                            fine_scale: torch.Tensor, group_dim: int, group_size: int,
                            dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
         """Coarse and fine codes decoded and added in fp32, in ``dtype``."""
+        ...
+
+    def norm_terms(self, rstd: torch.Tensor, decoded_invstd: torch.Tensor,
+                   weight: torch.Tensor | None, eps: float, reliable: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """BatchNorm's per-channel backward terms (``reference.norm_terms_reference``)."""
         ...
 
     def pack_mask(self, mask: torch.Tensor) -> torch.Tensor:

@@ -61,8 +61,8 @@ def quantize(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: in
 
 @register_fake('mmseg_mesa::dequantize')
 def dequantize(codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: int,
-               shape: list[int], group_dim: int, group_size: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               shape: list[int], group_dim: int, group_size: int, dtype: torch.dtype,
+               divisor: torch.Tensor | None = None) -> torch.Tensor:
     _groups(shape, group_dim, group_size)
     return codes.new_empty(shape, dtype=dtype)
 
@@ -93,6 +93,12 @@ def dequantize_refined(codes: torch.Tensor, fine: torch.Tensor, lower: torch.Ten
                        dtype: torch.dtype) -> torch.Tensor:
     _groups(shape, group_dim, group_size)
     return codes.new_empty(shape, dtype=dtype)
+
+
+@register_fake('mmseg_mesa::norm_terms')
+def norm_terms(rstd: torch.Tensor, decoded_invstd: torch.Tensor, weight: torch.Tensor | None,
+               eps: float, reliable: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return rstd.new_empty(rstd.shape), rstd.new_empty(rstd.shape), rstd.new_empty(rstd.shape)
 
 
 @register_fake('mmseg_mesa::pack_mask')

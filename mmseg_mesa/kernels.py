@@ -99,6 +99,13 @@ def dequantize_refined(codes: torch.Tensor, fine: torch.Tensor, lower: torch.Ten
                                    list(shape), group_dim, group_size, dtype)
 
 
+def norm_terms(rstd: torch.Tensor, decoded_invstd: torch.Tensor, weight: torch.Tensor | None,
+               eps: float, reliable: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BatchNorm's per-channel backward terms (``norm_terms_reference``) in one call, where
+    torch's ops took eight."""
+    return _ops.norm_terms(rstd, decoded_invstd, weight, eps, reliable)
+
+
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """A contiguous bool CPU tensor as 1 bit per element, in ``bitpack``'s layout."""
     return _ops.pack_mask(mask)
@@ -139,8 +146,11 @@ def quantize(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: in
 
 def dequantize(codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, group_dim: int,
                group_size: int, dtype: torch.dtype, bits: int = 8,
-               shape: torch.Size | None = None) -> torch.Tensor:
-    """``codes * scale + lower`` (two roundings) cast to ``dtype`` (``dequantize_reference``).
+               shape: torch.Size | None = None, divisor: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """``codes * scale + lower`` (two roundings) cast to ``dtype`` (``dequantize_reference``);
+    with a ``divisor`` (fp32, one value per row: equal consecutive runs of the values), each
+    value divided by its row's in fp32 before the cast.
 
     ``codes`` holds one code per element (``bits=8``; the result takes ``shape``, by default
     ``codes.shape``) or, with ``bits < 8``, the bit-packed codes of ``shape``.
@@ -149,7 +159,8 @@ def dequantize(codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, gr
         if bits != 8:
             raise ValueError('dequantize: bit-packed codes need the shape they were packed from')
         shape = codes.shape
-    return _ops.dequantize(codes, lower, scale, bits, list(shape), group_dim, group_size, dtype)
+    return _ops.dequantize(codes, lower, scale, bits, list(shape), group_dim, group_size, dtype,
+                           divisor)
 
 
 class CpuKernels:
@@ -172,6 +183,7 @@ class CpuKernels:
     observe_quantize = staticmethod(observe_quantize)
     refine = staticmethod(refine)
     dequantize_refined = staticmethod(dequantize_refined)
+    norm_terms = staticmethod(norm_terms)
 
     @staticmethod
     def pack_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -202,8 +214,9 @@ class CpuKernels:
 
 class CudaKernels:
     """The compiled kernels for CUDA tensors: observe (a memset and one kernel), quantize,
-    dequantize, refine and dequantize_refined (one kernel each), and observe_quantize (a memset and two kernels, standardized
-    values included). Masks run the reference's torch ops: there are no CUDA mask kernels.
+    dequantize, refine, dequantize_refined and norm_terms (one kernel each), and
+    observe_quantize (a memset and two kernels, standardized values included). Masks run the
+    reference's torch ops: there are no CUDA mask kernels.
     """
 
     name = 'cuda kernels'
@@ -226,6 +239,7 @@ class CudaKernels:
     observe_quantize = staticmethod(observe_quantize)
     refine = staticmethod(refine)
     dequantize_refined = staticmethod(dequantize_refined)
+    norm_terms = staticmethod(norm_terms)
 
     pack_mask = staticmethod(REFERENCE.pack_mask)
     unpack_mask = staticmethod(REFERENCE.unpack_mask)

@@ -350,6 +350,22 @@ def dequantize_refined_reference(codes: torch.Tensor, fine: torch.Tensor, lower:
     return decoded(codes, lower, scale).add_(decoded(fine, fine_lower, fine_scale)).to(dtype)
 
 
+def norm_terms_reference(rstd: torch.Tensor, decoded_invstd: torch.Tensor,
+                         weight: torch.Tensor | None, eps: float, reliable: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BatchNorm's per-channel backward terms (``layers.norm.channel_backward``): the share
+    ``eps * rstd**2`` eps takes of the variance, the spread the normalized input had
+    (``sqrt(1 - share)`` where that is at least ``reliable``, else the decoded input's own
+    ``1 / decoded_invstd``), and the fused backward's weight ``rstd * weight / spread``."""
+    eps_share = torch.addcmul(torch.zeros((), device=rstd.device), rstd, rstd, value=eps)
+    target = 1.0 - eps_share
+    # correctly rounded, as the kernels' (fp64 then fp32 rounds a square root exactly); torch's
+    # fp32 sqrt errs by an ulp in some CPU builds
+    root = target.double().sqrt().float()
+    spread = torch.where(target >= reliable, root, decoded_invstd.reciprocal())
+    return eps_share, spread, (rstd if weight is None else rstd * weight) / spread
+
+
 def observe_then_quantize(observe: Callable[..., torch.Tensor],
                           quantize: Callable[..., torch.Tensor], x: torch.Tensor,
                           lower: torch.Tensor, span: torch.Tensor, seen: torch.Tensor,
@@ -420,14 +436,18 @@ class Reference:
     @staticmethod
     def dequantize(codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor,
                    group_dim: int, group_size: int, dtype: torch.dtype, bits: int = 8,
-                   shape: torch.Size | None = None) -> torch.Tensor:
+                   shape: torch.Size | None = None, divisor: torch.Tensor | None = None
+                   ) -> torch.Tensor:
         if shape is None:
             if bits != 8:
                 raise ValueError('dequantize: bit-packed codes need the shape they were packed '
                                  'from')
             shape = codes.shape
         packed = Packed(codes, lower, scale, shape, dtype, bits, group_dim, group_size)
-        return dequantize_packed_reference(packed, dtype)
+        if divisor is None:
+            return dequantize_packed_reference(packed, dtype)
+        values = dequantize_packed_reference(packed, torch.float32)
+        return values.view(divisor.numel(), -1).div_(divisor.view(-1, 1)).view(shape).to(dtype)
 
     def observe_quantize(self, x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
                          seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
@@ -441,6 +461,7 @@ class Reference:
 
     refine = staticmethod(refine_reference)
     dequantize_refined = staticmethod(dequantize_refined_reference)
+    norm_terms = staticmethod(norm_terms_reference)
     pack_mask = staticmethod(bitpack.pack_mask)
     unpack_mask = staticmethod(bitpack.unpack_mask)
 

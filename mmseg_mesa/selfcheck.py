@@ -26,7 +26,7 @@ from ._backend import QuantBackend
 from .reference import REFERENCE, scale_from_span
 
 OPS = ('observe', 'quantize', 'dequantize', 'observe_quantize', 'refine', 'dequantize_refined',
-       'pack_mask', 'unpack_mask', 'pack_positive', 'mask_select')
+       'norm_terms', 'pack_mask', 'unpack_mask', 'pack_positive', 'mask_select')
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # (shape, group_dim, group_size), group_dim non-negative as the backends take it: channels in
 # the middle with a partial last group, channels last (the kernels' per-element pattern), and
@@ -38,6 +38,9 @@ CODES = ((8, False), (2, False), (4, True), (1, True))
 # Stochastic rounding's (seed, offset): the offset crosses the low 32 bits of the counter.
 COUNTER = (0x0123_4567_89AB_CDEF, 2 ** 32 - 3)
 DECAY = 0.9
+# A bound on the normalized variance that the norm_terms cases fall on both sides of (BatchNorm
+# uses the same, ``layers.norm.RELIABLE_NORMALIZED_VARIANCE``).
+RELIABLE = 1e-4
 # Device types checked before training: a GPU is where kernels meet hardware the test suite may
 # never have run on. The CPU kernels are checked by ``python -m mmseg_mesa.info --check``.
 FIRST_USE_DEVICE_TYPES = frozenset({'cuda'})
@@ -156,6 +159,11 @@ def _dequantize(backend: QuantBackend, device: torch.device) -> Iterator[_Case]:
             args = (codes, lower, scale, dim, size, x.dtype, bits if pack else 8, x.shape)
             yield _Case(f'{label} bits={bits} pack={pack}', partial(backend.dequantize, *args),
                         partial(REFERENCE.dequantize, *args))
+            # each row (here the first dim's) divided by its own value
+            divisor = torch.linspace(0.25, 4, x.shape[0], device=device)
+            yield _Case(f'{label} bits={bits} pack={pack} divided',
+                        partial(backend.dequantize, *args, divisor),
+                        partial(REFERENCE.dequantize, *args, divisor))
 
 
 def _observe_quantize(backend: QuantBackend, device: torch.device) -> Iterator[_Case]:
@@ -204,6 +212,20 @@ def _dequantize_refined(backend: QuantBackend, device: torch.device) -> Iterator
                     partial(REFERENCE.dequantize_refined, *args))
 
 
+def _norm_terms(backend: QuantBackend, device: torch.device) -> Iterator[_Case]:
+    """1/std over four decades, variances on both sides of the reliable bound, eps of BatchNorm
+    and of SyncBatchNorm's defaults, with and without a weight."""
+    generator = torch.Generator().manual_seed(5)
+    rstd = (10.0 ** (torch.rand(257, generator=generator) * 4 - 1)).to(device)
+    decoded = (torch.rand(257, generator=generator) * 2 + 0.1).to(device)
+    weight = torch.randn(257, generator=generator).to(device)
+    for eps in (1e-5, 1e-3):
+        for w in (None, weight):
+            args = (rstd, decoded, w, eps, RELIABLE)
+            yield _Case(f'eps={eps} weight={w is not None}', partial(backend.norm_terms, *args),
+                        partial(REFERENCE.norm_terms, *args))
+
+
 def _masks(device: torch.device) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """Per layout: a label, a bool mask and its packed bytes."""
     for shape, _, _ in LAYOUTS:
@@ -238,7 +260,8 @@ def _mask_select(backend: QuantBackend, device: torch.device) -> Iterator[_Case]
 CASES: dict[str, Callable[[QuantBackend, torch.device], Iterator[_Case]]] = {
     'observe': _observe, 'quantize': _quantize, 'dequantize': _dequantize,
     'observe_quantize': _observe_quantize, 'refine': _refine,
-    'dequantize_refined': _dequantize_refined, 'pack_mask': _pack_mask,
+    'dequantize_refined': _dequantize_refined, 'norm_terms': _norm_terms,
+    'pack_mask': _pack_mask,
     'unpack_mask': _unpack_mask, 'pack_positive': _pack_positive, 'mask_select': _mask_select}
 
 

@@ -24,10 +24,12 @@ from mmseg_mesa import _backend, kernels, selfcheck
 from mmseg_mesa.bitpack import pack_bits
 from mmseg_mesa.quantizer import Packed, QuantSpec, ema_update, group_min_max, scale_from_span
 from mmseg_mesa.reference import (
+    REFERENCE,
     channel_view,
     dequantize_packed_reference,
     dequantize_reference,
     dequantize_refined_reference,
+    norm_terms_reference,
     quantize_packed_reference,
     quantize_reference,
     refine_reference,
@@ -130,6 +132,15 @@ def assert_codes_agree(emu, cpu, x, lower, span, dim, group_size, bit_widths=BIT
                     want = (dequantize_packed_reference(meta, out_dtype) if bits < 8 else
                             dequantize_reference(codes, meta, out_dtype))
                     assert torch.equal(got, want)
+                    # rows (the first dim's) divided by their own values before the cast
+                    divisor = torch.rand(x.shape[0]) * 4 + 0.01
+                    got = emu.dequantize(packed, lower, scale, bits, list(x.shape), dim,
+                                         group_size, out_dtype, divisor)
+                    assert torch.equal(got, cpu.dequantize(packed, lower, scale, bits,
+                                                           list(x.shape), dim, group_size,
+                                                           out_dtype, divisor))
+                    assert torch.equal(got, REFERENCE.dequantize(
+                        packed, lower, scale, dim, group_size, out_dtype, bits, x.shape, divisor))
 
 
 def observe_three(emu, cpu, x_of_step, dim, group_size, groups):
@@ -263,6 +274,25 @@ def test_emulated_refine_matches_cpu_and_reference(emu, cpu, shape, group_dim, g
         assert (error <= step[near] * 0.5001 + 1e-6 * values[near].abs()).all()
 
 
+@pytest.mark.parametrize('machine', MACHINES, ids=lambda m: f'{m[0]}sm-{m[1]}w')
+@pytest.mark.parametrize('channels', [1, 37, 300, 5000])
+def test_emulated_norm_terms_match_cpu_and_reference(emu, cpu, machine, channels):
+    """BatchNorm's per-channel backward terms: emulated == CPU == reference, variances on both
+    sides of the reliable bound (and below 0 by rounding), with and without a weight."""
+    emu.configure(*machine)
+    generator = torch.Generator().manual_seed(channels)
+    rstd = 10.0 ** (torch.rand(channels, generator=generator) * 5 - 1)
+    rstd[::7] = 1 / math.sqrt(1e-5)  # variance 0: 1 - eps * rstd**2 rounds to about 0
+    decoded = torch.rand(channels, generator=generator) * 2 + 1e-3
+    weight = torch.randn(channels, generator=generator)
+    for eps in (1e-5, 1e-3):
+        for w in (None, weight):
+            args = (rstd, decoded, w, eps, 1e-4)
+            got = emu.norm_terms(*args)
+            for a, b, c in zip(got, cpu.norm_terms(*args), norm_terms_reference(*args)):
+                assert torch.equal(a, b) and torch.equal(a, c), (eps, w is None)
+
+
 @pytest.mark.parametrize('dtype', DTYPES)
 def test_constant_and_nonfinite_groups(emu, cpu, dtype):
     """Groups that are constant, all NaN, all +inf, only -inf and +inf, or finite with NaN."""
@@ -332,6 +362,8 @@ def test_invalid_arguments_are_refused_as_on_cpu(emu, cpu):
         ('quantize', (x, lower, scale, 3, 1, 8, False, 0, 0, True), 'can be packed'),
         ('quantize', (x.int(), lower, scale, 8, 1, 8, False, 0, 0, False), 'x must be'),
         ('dequantize', (x, lower, scale, 8, [8, 16], 1, 8, torch.float32), 'codes must be'),
+        ('dequantize', (x.byte(), lower, scale, 8, [8, 16], 1, 8, torch.float32,
+                        torch.ones(3)), 'one value per row'),
         ('observe', (x, lower, scale, lower.clone(), 1, 8, 0.9), 'seen must be Bool'),
         ('observe', (x, lower, scale, seen, 2, 8, 0.9), 'out of range'),
         ('refine', (x, x, lower, scale, None, None, 1, 8), 'codes must be uint8'),
@@ -384,11 +416,12 @@ def test_every_kernel_and_host_entry_point_runs(emu):
     fine, fine_lower, fine_scale = emu.refine(x, codes, lower, scale, None, None, 1, 8)
     emu.dequantize_refined(codes, fine, lower, scale, fine_lower, fine_scale, [4, 37], 1, 8,
                            torch.float32)
+    emu.norm_terms(scale, scale, lower, 1e-5, 1e-4)
     assert set(launched(emu.launch_log())) >= kernel_names()
     assert emu.poison_reads() == 0
     entry_points = set(re.findall(r'^\S.* (\w+)_cuda\(', emu_build.KERNELS.read_text(), re.M))
     assert entry_points == {'observe', 'quantize', 'dequantize', 'observe_quantize', 'refine',
-                            'dequantize_refined'}
+                            'dequantize_refined', 'norm_terms'}
     assert all(hasattr(emu, name) for name in entry_points)
     assert 'cuda_version=' in emu.build_facts()
 

@@ -10,6 +10,7 @@ from mmseg_mesa.quantizer import (
     pack,
     reset_rounding_generators,
     unpack,
+    unpack_divided,
 )
 from mmseg_mesa.reference import rounding_uniforms
 
@@ -429,3 +430,22 @@ def test_refined_codes_hold_a_255th_of_a_step(stochastic):
     reference = refine(dataclasses.replace(packed, backend='torch'), x)
     assert all(torch.equal(a, b) for a, b in zip(reference.tensors(), refined.tensors()))
     assert unpack(refine(packed, x.bfloat16()), torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize('backend', ['auto', 'torch'])
+@pytest.mark.parametrize('kind', ['plain', 'permuted', 'refined', 'four_bits'])
+def test_unpack_divided_divides_each_row_of_the_decoded_values(backend, kind):
+    """``unpack_divided``: the decoded values, each row divided by its own value in fp32, in one
+    backend call for plain codes and through the decoded tensor for any others."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 10, 16)
+    if kind == 'permuted':  # codes kept in the tensor's own (tokens-first) layout
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)
+    quantizer = ActivationQuantizer(spec(bits=4 if kind == 'four_bits' else 8, backend=backend))
+    packed = quantizer.pack(x, refined=kind == 'refined')
+    divisor = torch.rand(6, 10, 1) * 3 + 0.1
+    want = (unpack(packed, torch.float32).contiguous() / divisor)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = unpack_divided(packed, divisor, dtype)
+        assert got.dtype == dtype and got.shape == x.shape
+        assert torch.equal(got, want.to(dtype))

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._backend import select_backend
 from ..codes import Affine, Codes
 from ..constants import filled
-from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, without_grad
+from ..quantizer import ActivationQuantizer, Mapped, Packed, unpack, unpack_divided, without_grad
 from ..registry import mesa_layer
 from ..reuse import attach_codes
 from ..saved import load, save
@@ -113,10 +114,15 @@ class MesaLayerNormFunction(torch.autograd.Function):
     @no_autocast_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         packed, rstd, weight, bias = load(ctx)
-        grads = normalization_backward(
-            cast(grad, torch.float32), unpack(packed, torch.float32), rstd, weight, bias,
-            NormSets.tokens(ctx.normalized_shape),
-            (ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]))
+        needs = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[2],
+                 bias is not None and ctx.needs_input_grad[3]]
+        # x_norm / rstd decoded in one call: the input less its token's mean, which torch's
+        # kernel standardizes with the exact rstd (no pass multiplies the input gradient by it)
+        grads = torch.ops.aten.native_layer_norm_backward(
+            cast(grad, torch.float32), unpack_divided(packed, rstd, torch.float32),
+            ctx.normalized_shape, filled(0.0, rstd.shape, rstd), rstd.float(),
+            None if weight is None else weight.float(), None if bias is None else bias.float(),
+            needs)
         grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
         return grad_x, None, grad_w, grad_b, None, None
 
@@ -204,20 +210,16 @@ class MesaBatchNormFunction(torch.autograd.Function):
         if exact is not None:  # the affine part's gradient is corrected along itself
             needs = (needs[0], needs[1], True)
         grads = None
-        rstd = invstd.reshape(-1).float()
-        eps_share = torch.addcmul(filled(0.0, (), rstd), rstd, rstd, value=ctx.eps)
-        # normalized_variance, unclamped: a channel below 0 by rounding is not reliable anyway
-        target = (1.0 - eps_share).view_as(invstd)
         if (ctx.owned_grads[0] and grad.dtype == ctx.input_dtype == torch.float32
                 and not fits_fused(grad)):
             # the input gradient overwrites the incoming one, decoded by chunks
+            eps_share = eps_share_of(invstd, ctx.eps)
             grads = batch_norm_backward_into(grad, packed, invstd, ctx.eps, weight, bias, needs,
-                                             target)
+                                             (1.0 - eps_share).view_as(invstd))
         if grads is None:
-            x_norm, spread = restandardized(unpack(packed, torch.float32), invstd, ctx.eps,
-                                            target)
-            grads = normalization_backward(cast(grad, torch.float32), x_norm, invstd, weight,
-                                           bias, NormSets.channels(), needs, spread=spread)
+            grads, eps_share = channel_backward(
+                cast(grad, torch.float32), unpack(packed, torch.float32), invstd, ctx.eps,
+                weight, bias, needs, getattr(packed, 'backend', 'auto'))
         grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
         grad_w, grad_b = scale_free.corrected_affine(exact, grad_w, grad_b, weight, bias)
         scale_free.leave(ctx, grad_x, grad_w, weight, eps_share)
@@ -235,28 +237,44 @@ def cast_grads(ctx: Any, grads: tuple, weight: torch.Tensor | None,
             None if grad_b is None else cast(grad_b, bias.dtype))
 
 
-def restandardized(decoded: torch.Tensor, invstd: torch.Tensor, eps: float,
-                   target: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decoded normalized input with the exact per-channel moments it had before
-    quantization (``standardize``), as ``(x, spread)``: ``x * spread`` has them (``spread``
-    per channel; None: ``x`` itself). Below ``FUSED_BACKWARD_BYTES``, ``x`` is torch's fused
-    ``native_batch_norm`` of the codes, whose epsilon only keeps a constant channel finite (two
-    full-size tensors alive), and ``spread`` the target standard deviation, which the fused
-    backward applies as its 1/std (``normalization_backward``) without another pass; above it,
-    ``x`` is re-standardized in place (one). ``target``, the variance each channel had
-    (``normalized_variance``, shaped like ``invstd``), where the caller has it."""
-    if target is None:
-        target = normalized_variance(invstd, eps)
+def eps_share_of(invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """``eps / (var + eps) = eps * invstd**2`` per channel, flat fp32: the share of a channel's
+    variance that eps takes (``1 -`` it, unclamped, is the normalized input's variance: a
+    channel below 0 by rounding is not reliable anyway)."""
+    rstd = invstd.reshape(-1).float()
+    return torch.addcmul(filled(0.0, (), rstd), rstd, rstd, value=eps)
+
+
+def channel_backward(grad: torch.Tensor, decoded: torch.Tensor, invstd: torch.Tensor,
+                     eps: float, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                     needs: tuple[bool, bool, bool], backend: str = 'auto'
+                     ) -> tuple[tuple, torch.Tensor]:
+    """A BatchNorm's fp32 ``(grad_x, grad_weight, grad_bias)`` from the fp32 output gradient and
+    its decoded normalized input restored to the exact per-channel moments it had before
+    quantization, and ``eps_share_of`` its channels.
+
+    Below ``FUSED_BACKWARD_BYTES``: torch's fused kernels (two full-size tensors alive), the
+    codes normalized by ``native_batch_norm`` (whose epsilon only keeps a constant channel
+    finite), and its backward given the spread each channel had as its 1/std, so no pass
+    multiplies it out; the per-channel terms come from one op (``norm_terms``: unreliable
+    channels keep the codes' own spread). Above it, re-standardized in place (one).
+    """
     if not fits_fused(decoded):
-        return standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps,
-                           target), None
-    target = target.reshape(-1)
+        eps_share = eps_share_of(invstd, eps)
+        x_norm = standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps,
+                             (1.0 - eps_share).view_as(invstd))
+        return normalization_backward(grad, x_norm, invstd, weight, bias, NormSets.channels(),
+                                      needs), eps_share
+    rstd = invstd.reshape(-1).float()
     out, _, decoded_invstd = torch.native_batch_norm(
         decoded, None, None, None, None, True, 0.0, RESTANDARDIZE_EPS)
-    # unreliable channels keep the codes' own spread
-    return out, torch.where(target >= RELIABLE_NORMALIZED_VARIANCE, target.sqrt(),
-                            decoded_invstd.reciprocal())
+    eps_share, spread, scale = select_backend(rstd, backend).norm_terms(
+        rstd, decoded_invstd, None if weight is None else weight.detach().float(), eps,
+        RELIABLE_NORMALIZED_VARIANCE)
+    grads = torch.ops.aten.native_batch_norm_backward(
+        grad, out, scale, None, None, filled(0.0, scale.shape, scale, scale.dtype), spread, True,
+        0.0, [needs[0], weight is not None and needs[1], bias is not None and needs[2]])
+    return grads, eps_share
 
 
 def batch_norm_with_moments(x: torch.Tensor, running_mean: torch.Tensor | None,

@@ -29,17 +29,12 @@ Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 @dataclass(frozen=True)
 class NormSets:
-    """Which values share one mean and 1/std: the trailing ``normalized_shape`` of each token
-    (LayerNorm), ``groups`` channel groups of each sample (GroupNorm), or each channel of dim 1
-    over the batch and space (BatchNorm: neither given). The weight is on the trailing dims for
-    LayerNorm and on dim 1 otherwise."""
+    """Which values share one mean and 1/std: ``groups`` channel groups of each sample
+    (GroupNorm), or each channel of dim 1 over the batch and space (BatchNorm: none given). The
+    weight is on dim 1. (LayerNorm's backward is torch's kernel on its decoded input:
+    ``norm.MesaLayerNormFunction``.)"""
 
-    normalized_shape: tuple[int, ...] = ()
     groups: int = 0
-
-    @classmethod
-    def tokens(cls, normalized_shape: tuple[int, ...]) -> NormSets:
-        return cls(normalized_shape=tuple(normalized_shape))
 
     @classmethod
     def channel_groups(cls, groups: int) -> NormSets:
@@ -59,8 +54,8 @@ def fits_fused(t: torch.Tensor) -> bool:
 def normalization_backward(grad: torch.Tensor, x_norm: torch.Tensor, rstd: torch.Tensor,
                            weight: torch.Tensor | None, bias: torch.Tensor | None,
                            sets: NormSets, needs: tuple[bool, bool, bool],
-                           set_sums: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                           spread: torch.Tensor | None = None) -> Grads:
+                           set_sums: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                           ) -> Grads:
     """``(grad_x, grad_weight, grad_bias)`` in fp32 (each None unless ``needs`` says so and the
     parameter exists) from the fp32 output gradient, the decoded ``x_norm`` (the caller's own:
     it may be overwritten) and the exact ``rstd`` of each set (kept dims).
@@ -68,20 +63,10 @@ def normalization_backward(grad: torch.Tensor, x_norm: torch.Tensor, rstd: torch
     ``set_sums``, per channel, ``(sum(g), sum(g * x_norm), count)`` over every rank, replace the
     local sums in the input gradient (SyncBatchNorm; only with ``NormSets.channels()``, whose
     weight and bias gradients stay local, as torch's).
-
-    ``spread``, per channel of ``NormSets.channels()``, says that ``x_norm * spread`` is the
-    normalized input (``norm.restandardized``): torch's fused kernel takes it as the 1/std of
-    ``x_norm``, which spares a pass that would multiply it out.
     """
     needs_w = weight is not None and needs[1]
     needs_b = bias is not None and needs[2]
     w32 = None if weight is None else weight.float()
-    if sets.normalized_shape:
-        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
-            grad, x_norm, sets.normalized_shape, filled(0.0, rstd.shape, rstd),
-            filled(1.0, rstd.shape, rstd), w32,
-            None if bias is None else bias.float(), [needs[0], needs_w, needs_b])
-        return None if grad_x is None else grad_x.mul_(rstd), grad_w, grad_b
     if sets.groups:
         n, c = x_norm.shape[:2]
         grad_x, grad_w, grad_b = torch.ops.aten.native_group_norm_backward(
@@ -94,15 +79,9 @@ def normalization_backward(grad: torch.Tensor, x_norm: torch.Tensor, rstd: torch
     if set_sums is None and fits_fused(grad):
         # the kernel's input gradient is scaled by its weight times its 1/std
         scale = rstd.reshape(-1) if w32 is None else rstd.reshape(-1) * w32
-        if spread is None:
-            spread = filled(1.0, scale.shape, scale, scale.dtype)
-        else:
-            scale = scale / spread
         return torch.ops.aten.native_batch_norm_backward(
             grad, x_norm, scale, None, None, filled(0.0, scale.shape, scale, scale.dtype),
-            spread, True, 0.0, [needs[0], needs_w, needs_b])
-    if spread is not None:
-        x_norm = x_norm.mul_(spread.view(-1, *[1] * (x_norm.dim() - 2)))
+            filled(1.0, scale.shape, scale, scale.dtype), True, 0.0, [needs[0], needs_w, needs_b])
     dims = [0] + list(range(2, grad.dim()))
     sum_dy = sum_dy_xnorm = None
     if needs_b or (needs[0] and set_sums is None):

@@ -47,6 +47,7 @@ TORCH_LIBRARY(mesa_emu, m) {
   m.def(mmseg_mesa::schema::kObserveQuantize);
   m.def(mmseg_mesa::schema::kRefine);
   m.def(mmseg_mesa::schema::kDequantizeRefined);
+  m.def(mmseg_mesa::schema::kNormTerms);
   m.def("faulty(str name, Tensor x) -> Tensor");
   m.def("configure(int multiprocessors, int workers) -> ()", &configure);
   m.def("launch_log() -> str[]", &launch_log);
@@ -62,5 +63,6 @@ TORCH_LIBRARY_IMPL(mesa_emu, CPU, m) {
   m.impl("observe_quantize", &mmseg_mesa::observe_quantize_cuda);
   m.impl("refine", &mmseg_mesa::refine_cuda);
   m.impl("dequantize_refined", &mmseg_mesa::dequantize_refined_cuda);
+  m.impl("norm_terms", &mmseg_mesa::norm_terms_cuda);
   m.impl("faulty", &mesa_emu_faults::run_faulty);
 }
