@@ -41,7 +41,7 @@ from .rounding import reset_rounding_generators, rounding_counter
 __all__ = ['REFINED_BITS', 'ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'Refined',
            'coded_bits', 'ema_update', 'group_min_max', 'pack', 'refine',
            'reset_rounding_generators', 'rounding_counter', 'sample_range', 'scale_from_span',
-           'unpack']
+           'unpack', 'unpack_divided']
 
 
 def without_grad() -> contextlib.AbstractContextManager:
@@ -159,6 +159,21 @@ def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:
         data.contiguous(), packed.lower, packed.scale, stored_dim(packed.group_dim, order),
         packed.group_size, dtype or packed.dtype, packed.bits, packed.stored_shape)
     return out if order is None else out.permute(inverse_order(order))
+
+
+def unpack_divided(packed: Codes, divisor: torch.Tensor, dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
+    """``unpack(packed)`` with each row's values divided by its value of ``divisor`` (fp32,
+    one per row of the contiguous tensor: LayerNorm's 1/std per token), in fp32 before the cast:
+    one backend call for plain codes in their own order, where dividing after took a pass."""
+    divisor = divisor.detach().reshape(-1).float().contiguous()
+    if isinstance(packed, Packed) and packed.order is None:
+        return select_backend(packed.data, packed.backend).dequantize(
+            packed.data.contiguous(), packed.lower, packed.scale, packed.group_dim,
+            packed.group_size, dtype or packed.dtype, packed.bits, packed.shape, divisor)
+    values = unpack(packed, torch.float32).contiguous()
+    return values.view(divisor.numel(), -1).div_(divisor.view(-1, 1)).view(
+        packed.shape).to(dtype or packed.dtype)
 
 
 class ActivationQuantizer(nn.Module):
