@@ -58,6 +58,60 @@ def _patterns(key: str, value: Any) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Which converted layers keep about 16 bits, chosen from the gradient of one small step
+    (``mmseg_mesa.calibration``): the layers whose 8-bit codes move the parameter gradients by
+    more than these bounds allow, measured against a step whose codes are all refined.
+
+    Args:
+        error: The largest whole-gradient relative error the layers left at 8 bits may make
+            together. Defaults to 0.01 (half the 0.02 the sweeps hold every model to: the
+            calibration's batch is not the one trained on).
+        cosine: The smallest cosine of any parameter's gradient (among those at least 1e-3 of
+            the largest) the layers left at 8 bits may leave. Defaults to 0.995.
+        passes: The most training steps (forward and backward) it may run; where they run out
+            it refines the groups of layers it has not split yet. Defaults to 64.
+        batch: Images of the first training batch it steps on (all of them where it has
+            fewer): two, since BatchNorms over pooled 1x1 maps (UPerNet's pyramid pooling)
+            cannot train on one. Its step saves Mesa's codes, a fraction of the baseline's
+            tensors, so it fits wherever the baseline trains on two. Defaults to 2.
+    """
+
+    error: float = 0.01
+    cosine: float = 0.995
+    passes: int = 64
+    batch: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.error, bool) or not isinstance(self.error, (int, float)) \
+                or not self.error > 0:
+            _fail('calibrate.error', self.error, 'a number > 0')
+        if isinstance(self.cosine, bool) or not isinstance(self.cosine, (int, float)) \
+                or not 0 < self.cosine < 1:
+            _fail('calibrate.cosine', self.cosine, 'a number in (0, 1)')
+        for key in ('passes', 'batch'):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _fail(f'calibrate.{key}', value, 'an integer >= 1')
+
+
+def _calibration(value: Any) -> Calibration | None:
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Calibration()
+    if isinstance(value, Calibration):
+        return value
+    if isinstance(value, Mapping):
+        valid = [f.name for f in dataclasses.fields(Calibration)]
+        unknown = sorted(set(value) - set(valid))
+        if unknown:
+            _fail('calibrate', unknown, 'True, False or a dict of ' + ', '.join(valid))
+        return Calibration(**value)
+    _fail('calibrate', value, 'True, False or a dict of Calibration fields')
+
+
+@dataclass(frozen=True)
 class MesaConfig:
     """How Mesa compresses the activations it saves for backward.
 
@@ -129,6 +183,13 @@ class MesaConfig:
             with 8 bits, 0.9996 with these refined; at 256x256, 512 values, 0.998 with 8 bits).
             At mmseg's training crops few BatchNorms qualify: +0.00-0.05% saved bytes
             (docs/sweeps.md). 0 never refines. Defaults to 256.
+        calibrate: Choose from the gradient which layers keep about 16 bits: at the first
+            training step (``MesaHook``) or ``tools/calibrate.py``, one small step is taken with
+            8-bit and with refined codes, and the layers whose codes move the gradient beyond
+            the bounds are found by halving groups of layers (``mmseg_mesa.calibration``). It
+            finds what no rule names (ConViT's positional projection, ReXNet's). The rules
+            above still apply on top. ``True`` (the default bounds, ``Calibration``), a dict
+            of ``Calibration`` fields, or False (the rules alone). Defaults to True.
 
     Named presets (``MesaConfig.preset(name)``, or ``mesa=dict(preset=name, ...)`` in a config)
     bundle these fields; see ``PRESETS``.
@@ -152,6 +213,7 @@ class MesaConfig:
     attention_maps: str = 'recompute'
     attention_refine_error: float = 0.05
     batchnorm_refine_below: int = 256
+    calibrate: Calibration | None = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -206,6 +268,7 @@ class MesaConfig:
                 or self.batchnorm_refine_below < 0:
             _fail('batchnorm_refine_below', self.batchnorm_refine_below,
                   'an integer >= 0 (0: never refine)')
+        object.__setattr__(self, 'calibrate', _calibration(self.calibrate))
 
     def for_layer(self, layer_type: str, name: str = '') -> MesaConfig:
         """The config one converted module gets: its bit width, rounding and compressor

@@ -197,6 +197,8 @@ class ActivationQuantizer(nn.Module):
         # (``attention_core.refined_heads``, ``recomputed_map.replays``; training state)
         self.replay_error = LateReading()
         self.map_error = LateReading()
+        # refine at every pack, as chosen from the gradient (``calibration``; training state)
+        self.keep_refined = False
 
     def __getstate__(self) -> dict:
         # copies and pickles choose again where they run (that may be without the extension)
@@ -245,6 +247,7 @@ class ActivationQuantizer(nn.Module):
     def pack(self, x: torch.Tensor, refined: bool = False) -> Packed | Refined:
         """Observe ``x`` (training step) and quantize it over the resulting range (refined to
         about 16 bits where the spec says ``REFINED_BITS`` or the caller asks)."""
+        refined = refined or self.keep_refined
         spec = self.spec
         backend = self.backend_for(x)
         group_dim = spec.group_dim % x.dim()
@@ -271,6 +274,7 @@ class ActivationQuantizer(nn.Module):
         input this way: the full-size temporary would be the largest tensor at its forward peak
         (docs/benchmarks.md).
         """
+        refined = refined or self.keep_refined
         group_dim = self.spec.group_dim % x.dim()
         groups = self.spec.num_groups(x.shape[group_dim])
         if self.spec.group_size != 1 or mean.numel() != groups or rstd.numel() != groups:

@@ -26,6 +26,10 @@ ESTIMATES = ('lower', 'span', 'seen')
 # state saved before calls were counted holds the value alone); a resumed run measures and
 # decides from them as the uninterrupted one would.
 READINGS = ('replay_error', 'map_error')
+# Whether the quantizer keeps refined codes by the calibration's choice
+# (``ActivationQuantizer.keep_refined``, ``calibration``): a bool, present where it does; a
+# resumed run keeps the choice rather than calibrating again.
+REFINED = 'refined'
 
 
 # Quantizers made lazily live under ``<module>.mesa_sites.<key>``.
@@ -48,6 +52,7 @@ def load_estimates(quantizer: ActivationQuantizer, values: dict[str, torch.Tenso
         else:
             value, *calls = reading.reshape(-1).tolist()
             getattr(quantizer, key).restore(value, int(calls[0]) if calls else 0)
+    quantizer.keep_refined = bool(values[REFINED]) if REFINED in values else False
 
 
 def _calls_valid(reading: torch.Tensor) -> bool:
@@ -64,6 +69,8 @@ def _entry(quantizer: ActivationQuantizer) -> dict[str, torch.Tensor]:
         value, calls = getattr(quantizer, key).state()
         if value is not None:
             entry[key] = torch.tensor([value, calls], dtype=torch.float64)
+    if quantizer.keep_refined:
+        entry[REFINED] = torch.tensor(True)
     return entry
 
 
@@ -73,7 +80,7 @@ def quantizers(model: nn.Module) -> dict[str, ActivationQuantizer]:
 
 
 def training_state(model: nn.Module) -> dict[str, Any]:
-    """``{'format', 'estimates': {quantizer name: {lower, span, seen[, READINGS]}},
+    """``{'format', 'estimates': {quantizer name: {lower, span, seen[, READINGS, REFINED]}},
     'rounding'}``: every quantizer's estimates (CPU copies; empty where it has seen no batch, as
     where the layer saves another layer's codes), the replay errors it has received where it
     measured them, and the rounding streams' positions."""
@@ -114,7 +121,8 @@ def _check(state: Any) -> dict[str, Any]:
                          + (f' with keys {sorted(state)}' if isinstance(state, dict) else ''))
     for name, saved in state['estimates'].items():
         keys = set(saved) if isinstance(saved, dict) else set()
-        if not isinstance(saved, dict) or not set(ESTIMATES) <= keys <= {*ESTIMATES, *READINGS} \
+        if not isinstance(saved, dict) \
+                or not set(ESTIMATES) <= keys <= {*ESTIMATES, *READINGS, REFINED} \
                 or not all(isinstance(saved[k], torch.Tensor) for k in ESTIMATES) \
                 or len({saved[k].shape for k in ESTIMATES}) != 1 or saved['lower'].dim() != 1:
             raise ValueError(f'restore_training_state: the estimates of {name!r} are not three '
@@ -125,6 +133,11 @@ def _check(state: Any) -> dict[str, Any]:
                                      and _calls_valid(saved[key])):
                 raise ValueError(f'restore_training_state: the {key!r} of {name!r} is not a '
                                  f'value and a count of calls')
+        if REFINED in saved and not (isinstance(saved[REFINED], torch.Tensor)
+                                     and saved[REFINED].dtype == torch.bool
+                                     and saved[REFINED].numel() == 1):
+            raise ValueError(f'restore_training_state: the {REFINED!r} of {name!r} is not one '
+                             f'bool')
     check_rounding_state(state['rounding'])
     return state
 

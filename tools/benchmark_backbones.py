@@ -170,6 +170,19 @@ HOUSEKEEPING = ('img_size', 'out_indices', 'out_scales', 'out_type', 'gap_before
                 'reshape_last_feat')
 
 
+def timm_arguments(model: str) -> dict:
+    """``TIMM``'s arguments for a timm model, or for one it does not name: ``img_size`` (sized
+    to the input by ``upernet_config``) where its constructor takes one, else none."""
+    if model in TIMM:
+        return TIMM[model]
+    import timm
+    try:
+        timm.create_model(model, pretrained=False, features_only=True, img_size=224)
+    except TypeError:  # a constructor without img_size
+        return {}
+    return dict(img_size=224)
+
+
 def names() -> list[str]:
     """Every backbone this sweep measures: the mmpretrain ones, then ``timm/<model>``."""
     return [*MMPRETRAIN, *(f'timm/{m}' for m in TIMM)]
@@ -179,7 +192,7 @@ def backbone_config(name: str) -> dict:
     """The backbone's model config (before ``upernet_config`` sizes its ``img_size``)."""
     if name.startswith('timm/'):
         return dict(type='mmpretrain.TIMMBackbone', model_name=name[len('timm/'):],
-                    features_only=True, pretrained=False, **TIMM[name[len('timm/'):]])
+                    features_only=True, pretrained=False, **timm_arguments(name[len('timm/'):]))
     args = dict(MMPRETRAIN[name])
     return dict(args, type=f"mmpretrain.{args.pop('type', name)}")
 
@@ -187,7 +200,7 @@ def backbone_config(name: str) -> dict:
 def arch(name: str) -> str:
     """The row's arch cell: the arguments that pick the model."""
     if name.startswith('timm/'):
-        args = TIMM[name[len('timm/'):]]
+        args = TIMM.get(name[len('timm/'):], {})
     else:
         args = MMPRETRAIN[name]
     shown = {k: v for k, v in args.items() if k not in HOUSEKEEPING}
@@ -218,13 +231,16 @@ HEADER = sweep.header(['backbone (size)', 'arch'], EXTRA)
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--backbones', nargs='+', default=None,
-                        help='backbones to run (default: all; timm ones as timm/<model>)')
+                        help='backbones to run (default: all; timm ones as timm/<model>, '
+                             'any timm model)')
     sweep.add_sweep_arguments(parser, 'backbones')
     args = parser.parse_args(argv)
     if args.one:
         sys.exit(sweep.one(lambda: backbone_upernet(args.one, args.size, args.batch), args.size,
                            args.batch, args.json))
     known = names()
+    # any timm model runs through the same path (``timm_arguments``), named or not
+    known += [n for n in args.backbones or [] if n.startswith('timm/') and n not in known]
     unknown = sorted(set(args.backbones or []) - set(known) - set(SKIPPED))
     if unknown:
         parser.error(f'unknown backbones {unknown}; known: {" ".join(known)}')

@@ -55,7 +55,8 @@ def measure(cfg: Any, size: int, batch_size: int, result: dict) -> dict:
     """The baseline and the default Mesa conversion of ``cfg``'s model on one batch of
     ``batch_size`` random ``size`` x ``size`` images, filling ``result`` (its ``stage`` says how
     far it got, so a failure names the step that raised)."""
-    from mmseg_mesa import convert_to_mesa
+    from mmseg_mesa import MesaConfig, convert_to_mesa
+    from mmseg_mesa.bench.calibration import report_row
     from mmseg_mesa.bench.coverage import module_types, split_saved, training_forward
     from mmseg_mesa.bench.fidelity import (
         losses_and_gradients,
@@ -63,7 +64,8 @@ def measure(cfg: Any, size: int, batch_size: int, result: dict) -> dict:
         split,
         worst_cosine,
     )
-    from mmseg_mesa.bench.models import build_model, make_batch
+    from mmseg_mesa.bench.models import build_model, loss_of, make_batch
+    from mmseg_mesa.calibration import calibrate
     result['stage'] = 'build'
     reference = build_model(cfg, 'cpu')
     data, other = split(make_batch(cfg, 2 * batch_size, (size, size), 'cpu'), batch_size)
@@ -73,12 +75,22 @@ def measure(cfg: Any, size: int, batch_size: int, result: dict) -> dict:
     reference.train()
     exact_losses, exact = losses_and_gradients(reference, data)
     result['stage'] = 'conversion'
-    report = convert_to_mesa(model)
-    result['stage'] = 'Mesa step'
+    config = MesaConfig()
+    report = convert_to_mesa(model, config=config)
     model.train()
+    if config.calibrate is not None:
+        # on images of the other batch, as a run calibrates on its first (``MesaHook``)
+        result['stage'] = 'calibration'
+        one = (other[0][:config.calibrate.batch], other[1][:config.calibrate.batch])
+        calibrated = calibrate(model, lambda: loss_of(model(*one, mode='loss')),
+                               config.calibrate)
+        result['calibration'] = report_row(calibrated)
+    counted = report.left_to_torch()
+    result['stage'] = 'Mesa step'
     losses, grads = losses_and_gradients(model, data)
-    # read now: the counts accumulate over training forwards, and this was the first
-    left_to_torch = sorted(report.left_to_torch().items(), key=lambda kv: (-kv[1], kv[0]))
+    # read now: the counts accumulate over training forwards
+    left_to_torch = sorted((report.left_to_torch() - counted).items(),
+                           key=lambda kv: (-kv[1], kv[0]))
     noise = relative_error(losses_and_gradients(reference, other)[1], exact)
     result.update(forward_identical=same_losses(exact_losses, losses),
                   relative_error=relative_error(grads, exact), minibatch_noise=noise,

@@ -2,13 +2,15 @@
 Mesa's training state in its checkpoints."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from mmengine.hooks import Hook
 from mmengine.model import is_model_wrapper
 from mmengine.registry import HOOKS
 
-from ..config import MesaConfig
+from ..calibration import CalibrationReport, agree_across_ranks, calibrate, first_images
+from ..config import Calibration, MesaConfig
 from ..convert import convert_to_mesa
 from ..selfcheck import verify_first_use
 from ..training_state import restore_training_state, training_state
@@ -33,6 +35,13 @@ class MesaHook(Hook):
     without it (plain mmseg's, or an older one) loads as before: the estimates start from the
     next batch. Under DDP only rank 0 saves, so every rank resumes with rank 0's estimates.
 
+    At the first training iteration (``before_train_iter`` of a run that starts rather than
+    resumes), where ``MesaConfig.calibrate`` is set, the layers whose 8-bit codes move the
+    gradient too far are chosen on ``calibrate.batch`` images of that iteration's batch
+    (``mmseg_mesa.calibration``) and keep refined codes from then on; the report is logged, the
+    iteration itself then runs as it would have. The choice is part of the training state, so a
+    resumed run keeps it; under DDP a layer is refined where any rank chose it.
+
     In ``before_train`` on a GPU, the CUDA kernels that will code the activations are held to
     the pure-PyTorch reference once per process and device (``selfcheck.verify_first_use``, a
     fraction of a second): kernels that disagree there would otherwise train on wrong codes
@@ -51,6 +60,8 @@ class MesaHook(Hook):
         self.config = MesaConfig.from_cfg(mesa) if mesa is not None else None
         self.report = None
         self._backend = 'auto'  # the converted model's ``MesaConfig.backend``
+        self._calibration: Calibration | None = None  # until it has run (or was restored)
+        self.calibration: CalibrationReport | None = None
 
     def before_run(self, runner: Any) -> None:
         config = self.config if self._explicit else MesaConfig.from_cfg(runner.cfg.get('mesa'))
@@ -66,6 +77,7 @@ class MesaHook(Hook):
         # a collective per layer and step for nothing.
         self.report = convert_to_mesa(model, config=config)
         self._backend = config.backend
+        self._calibration = config.calibrate
         runner.logger.info(f'Mesa ({config}):\n{self.report.format()}')
 
     def before_train(self, runner: Any) -> None:
@@ -77,6 +89,27 @@ class MesaHook(Hook):
         if checks:
             runner.logger.info(f'Mesa: the {checks[0].backend} agree with the reference on '
                                f'{checks[0].device} ({len(checks)} ops)')
+
+    def before_train_iter(self, runner: Any, batch_idx: int,
+                          data_batch: dict | tuple | list | None = None) -> None:
+        bounds, self._calibration = self._calibration, None
+        model = self._converted_model(runner)
+        if bounds is None or model is None or data_batch is None or runner.iter != 0:
+            return
+        batch = first_images(data_batch, bounds.batch)
+        optim_wrapper = getattr(runner, 'optim_wrapper', None)
+
+        def step() -> Any:
+            context = (optim_wrapper.optim_context(model) if optim_wrapper is not None
+                       else contextlib.nullcontext())
+            with context:
+                data = model.data_preprocessor(batch, True)
+                loss, _ = model.parse_losses(model(**data, mode='loss'))
+            return loss
+
+        self.calibration = calibrate(model, step, bounds)
+        agree_across_ranks(model)
+        runner.logger.info(f'Mesa: {self.calibration.format()}')
 
     def _converted_model(self, runner: Any) -> Any:
         if self.report is None:  # Mesa is off in this run
@@ -96,5 +129,6 @@ class MesaHook(Hook):
             runner.logger.info('Mesa: the checkpoint has no Mesa training state; the running '
                                'estimates start from the next batch')
             return
+        self._calibration = None  # the checkpoint keeps the choice
         report = restore_training_state(model, checkpoint[CHECKPOINT_KEY])
         runner.logger.info(f'Mesa: {report.format()}')
