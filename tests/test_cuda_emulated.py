@@ -434,6 +434,7 @@ LAUNCHES = {
     'dequantize': ['dequantize_kernel'],
     'refine': ['refine_kernel'],
     'dequantize_refined': ['dequantize_refined_kernel'],
+    'norm_terms': ['norm_terms_kernel'],
 }
 
 
@@ -456,6 +457,7 @@ def test_launches_per_op(emu, shape, group_dim, group_size):
         'dequantize_refined': lambda: emu.dequantize_refined(
             *[torch.zeros(shape, dtype=torch.uint8)] * 2, *state[:2], *state[:2], list(shape),
             group_dim, group_size, torch.float32),
+        'norm_terms': lambda: emu.norm_terms(state[1] + 1, state[1] + 1, None, 1e-5, 1e-4),
     }
     for op, call in calls.items():
         emu.clear_launch_log()
