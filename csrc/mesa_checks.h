@@ -92,6 +92,18 @@ inline void check_activation(const char* op, const at::Tensor& x, c10::DeviceTyp
 
 namespace mmseg_mesa {
 
+// The optional per-group mean and rstd of a standardized pack: both or neither, fp32 vectors.
+inline void check_standardization(const char* op, const std::optional<at::Tensor>& mean,
+                                  const std::optional<at::Tensor>& rstd, const at::Tensor& x,
+                                  const GroupLayout& layout) {
+  TORCH_CHECK(mean.has_value() == rstd.has_value(), op,
+              ": mean and rstd are given together or not at all");
+  if (mean.has_value()) {
+    check_group_vector(op, "mean", *mean, x, layout, at::kFloat);
+    check_group_vector(op, "rstd", *rstd, x, layout, at::kFloat);
+  }
+}
+
 // Validates observe's arguments and returns the layout of x.
 inline GroupLayout check_observe_args(const char* op, const at::Tensor& x,
                                       const at::Tensor& lower, const at::Tensor& span,
@@ -126,12 +138,7 @@ inline GroupLayout check_observe_quantize_args(const char* op, const at::Tensor&
   const GroupLayout layout =
       check_observe_args(op, x, lower, span, seen, group_dim, group_size, decay, device);
   check_code_width(op, bits, pack);
-  TORCH_CHECK(mean.has_value() == rstd.has_value(), op,
-              ": mean and rstd are given together or not at all");
-  if (mean.has_value()) {
-    check_group_vector(op, "mean", *mean, x, layout, at::kFloat);
-    check_group_vector(op, "rstd", *rstd, x, layout, at::kFloat);
-  }
+  check_standardization(op, mean, rstd, x, layout);
   return layout;
 }
 
@@ -188,12 +195,7 @@ inline GroupLayout check_refine_args(const char* op, const at::Tensor& x,
               "), got ", codes.scalar_type(), " with ", codes.numel());
   check_group_vector(op, "lower", lower, x, layout, at::kFloat);
   check_group_vector(op, "scale", scale, x, layout, at::kFloat);
-  TORCH_CHECK(mean.has_value() == rstd.has_value(), op,
-              ": mean and rstd are given together or not at all");
-  if (mean.has_value()) {
-    check_group_vector(op, "mean", *mean, x, layout, at::kFloat);
-    check_group_vector(op, "rstd", *rstd, x, layout, at::kFloat);
-  }
+  check_standardization(op, mean, rstd, x, layout);
   return layout;
 }
 
