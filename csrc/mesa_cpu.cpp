@@ -909,8 +909,11 @@ void select_by_bits(const uint8_t* bytes, const bits_t* values, bits_t* out, int
   });
 }
 
-at::Tensor mask_select_cpu(const at::Tensor& values, const at::Tensor& bytes) {
-  constexpr const char* op = "mmseg_mesa::mask_select";
+namespace {
+
+// `out` (values' shape; values itself, in place) as values where the packed bit is set, else +0.
+void select_into(const char* op, const at::Tensor& values, const at::Tensor& bytes,
+                 const at::Tensor& out) {
   check_contiguous(op, "values", values, c10::DeviceType::CPU);
   check_contiguous(op, "bytes", bytes, c10::DeviceType::CPU);
   TORCH_CHECK(is_supported_float(values.scalar_type()), op,
@@ -921,11 +924,11 @@ at::Tensor mask_select_cpu(const at::Tensor& values, const at::Tensor& bytes) {
   const int64_t numel = values.numel();
   TORCH_CHECK(bytes.numel() == (numel + 7) / 8, op, ": bytes hold ", bytes.numel(),
               " bytes, but values of shape ", values.sizes(), " take ", (numel + 7) / 8);
-  at::Tensor out = at::empty(values.sizes(), values.options());
   if (numel == 0) {
-    return out;
+    return;
   }
-  // The bit patterns, not the values: the same loop serves every width.
+  // The bit patterns, not the values: the same loop serves every width (element by element,
+  // so out may be values).
   const void* in = values.const_data_ptr();
   void* dst = out.mutable_data_ptr();
   switch (values.element_size()) {
@@ -941,7 +944,18 @@ at::Tensor mask_select_cpu(const at::Tensor& values, const at::Tensor& bytes) {
       select_by_bits(bytes.const_data_ptr<uint8_t>(), static_cast<const uint64_t*>(in),
                      static_cast<uint64_t*>(dst), numel);
   }
+}
+
+}  // namespace
+
+at::Tensor mask_select_cpu(const at::Tensor& values, const at::Tensor& bytes) {
+  at::Tensor out = at::empty(values.sizes(), values.options());
+  select_into("mmseg_mesa::mask_select", values, bytes, out);
   return out;
+}
+
+void mask_select_cpu_(const at::Tensor& values, const at::Tensor& bytes) {
+  select_into("mmseg_mesa::mask_select_", values, bytes, values);
 }
 
 bool cpu_kernels_parallel() {

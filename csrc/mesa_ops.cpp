@@ -28,7 +28,7 @@
 // 1/std (layers/norm.py), one op where torch's took eight.
 // pack_mask / unpack_mask: a bool tensor as 1 bit per element (bitpack.py's layout); CPU only.
 // pack_positive: pack_mask(x > 0) in one pass; mask_select: values where the packed mask's bit is
-// set, else +0 (ReLU's forward and backward); CPU only.
+// set, else +0 (ReLU's forward and backward; mask_select_ in place); CPU only.
 TORCH_LIBRARY(mmseg_mesa, m) {
   m.def(mmseg_mesa::schema::kObserve);
   m.def(mmseg_mesa::schema::kQuantize);
@@ -41,6 +41,7 @@ TORCH_LIBRARY(mmseg_mesa, m) {
   m.def("unpack_mask(Tensor bytes, int[] shape) -> Tensor");
   m.def("pack_positive(Tensor x) -> Tensor");
   m.def("mask_select(Tensor values, Tensor bytes) -> Tensor");
+  m.def("mask_select_(Tensor(a!) values, Tensor bytes) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
@@ -55,6 +56,7 @@ TORCH_LIBRARY_IMPL(mmseg_mesa, CPU, m) {
   m.impl("unpack_mask", &mmseg_mesa::unpack_mask_cpu);
   m.impl("pack_positive", &mmseg_mesa::pack_positive_cpu);
   m.impl("mask_select", &mmseg_mesa::mask_select_cpu);
+  m.impl("mask_select_", &mmseg_mesa::mask_select_cpu_);
 }
 
 #ifdef MMSEG_MESA_WITH_CUDA

@@ -40,6 +40,7 @@ at::Tensor pack_mask_cpu(const at::Tensor& mask);
 at::Tensor unpack_mask_cpu(const at::Tensor& bytes, at::IntArrayRef shape);
 at::Tensor pack_positive_cpu(const at::Tensor& x);
 at::Tensor mask_select_cpu(const at::Tensor& values, const at::Tensor& bytes);
+void mask_select_cpu_(const at::Tensor& values, const at::Tensor& bytes);
 // Whether the CPU kernels' at::parallel_for uses torch's threads (OpenMP builds need -fopenmp).
 bool cpu_kernels_parallel();
 

@@ -113,6 +113,11 @@ class QuantBackend(Protocol):
         """``torch.where(unpack_mask(data, shape), values, 0)``."""
         ...
 
+    def mask_select_(self, values: torch.Tensor, data: torch.Tensor, shape: torch.Size
+                     ) -> torch.Tensor:
+        """``mask_select`` written into ``values``, which it returns."""
+        ...
+
 
 @dataclass
 class ExtensionState:

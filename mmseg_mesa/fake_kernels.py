@@ -119,3 +119,8 @@ def pack_positive(x: torch.Tensor) -> torch.Tensor:
 @register_fake('mmseg_mesa::mask_select')
 def mask_select(values: torch.Tensor, bytes: torch.Tensor) -> torch.Tensor:
     return values.new_empty(values.shape)
+
+
+@register_fake('mmseg_mesa::mask_select_')
+def mask_select_(values: torch.Tensor, bytes: torch.Tensor) -> None:
+    return None

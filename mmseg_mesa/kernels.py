@@ -127,6 +127,13 @@ def mask_select(values: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     return _ops.mask_select(values, data)
 
 
+def mask_select_(values: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``mask_select`` written into ``values`` (contiguous, floating point, CPU), which it
+    returns."""
+    _ops.mask_select_(values, data)
+    return values
+
+
 def quantize(x: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bits: int,
              group_dim: int, group_size: int, stochastic: bool,
              counter: tuple[int, int] | None = None, pack: bool = False) -> torch.Tensor:
@@ -211,6 +218,15 @@ class CpuKernels:
             return torch.where(CpuKernels.unpack_mask(data, shape), values, 0)
         return _ops.mask_select(values.contiguous(), data.contiguous())
 
+    @staticmethod
+    def mask_select_(values: torch.Tensor, data: torch.Tensor, shape: torch.Size
+                     ) -> torch.Tensor:
+        """``mask_select`` written into ``values``, one pass where unpacking the bits and
+        ``torch.where`` took two and a bool per element."""
+        if not values.is_floating_point() or values.shape != shape or not values.is_contiguous():
+            return REFERENCE.mask_select_(values, CpuKernels.unpack_mask(data, shape))
+        return mask_select_(values, data.contiguous())
+
 
 class CudaKernels:
     """The compiled kernels for CUDA tensors: observe (a memset and one kernel), quantize,
@@ -245,6 +261,7 @@ class CudaKernels:
     unpack_mask = staticmethod(REFERENCE.unpack_mask)
     pack_positive = staticmethod(REFERENCE.pack_positive)
     mask_select = staticmethod(REFERENCE.mask_select)
+    mask_select_ = staticmethod(REFERENCE.mask_select_)
 
 
 CPU = CpuKernels()

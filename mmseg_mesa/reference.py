@@ -28,6 +28,7 @@ from torch import nn
 from . import bitpack
 from .bitpack import pack_bits, unpack_bits
 from .codes import Packed, QuantSpec
+from .constants import filled
 from .rounding import rounding_counter
 
 # Philox4x32-10's multipliers and Weyl key increments.
@@ -473,6 +474,14 @@ class Reference:
     def mask_select(values: torch.Tensor, data: torch.Tensor, shape: torch.Size
                     ) -> torch.Tensor:
         return torch.where(bitpack.unpack_mask(data, shape), values, 0)
+
+    @staticmethod
+    def mask_select_(values: torch.Tensor, data: torch.Tensor,
+                     shape: torch.Size | None = None) -> torch.Tensor:
+        """``mask_select`` into ``values``; ``data`` packed bits of ``shape``, or the bool
+        mask itself (``shape`` None)."""
+        mask = data if shape is None else bitpack.unpack_mask(data, shape)
+        return torch.where(mask, values, filled(0.0, (), values, values.dtype), out=values)
 
 
 REFERENCE = Reference()

@@ -66,6 +66,8 @@ class PackedMask:
     def select_(self, values: torch.Tensor) -> torch.Tensor:
         """``select`` written into ``values`` (shaped like the mask): one bool per element
         besides it, where ``select`` makes a second tensor of ``values``' size."""
+        if self.order is None:
+            return _mask_backend(values).mask_select_(values, self.data, self.shape)
         return torch.where(self.unpack(), values, filled(0.0, (), values, values.dtype),
                            out=values)
 

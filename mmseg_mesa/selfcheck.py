@@ -26,7 +26,7 @@ from ._backend import QuantBackend
 from .reference import REFERENCE, scale_from_span
 
 OPS = ('observe', 'quantize', 'dequantize', 'observe_quantize', 'refine', 'dequantize_refined',
-       'norm_terms', 'pack_mask', 'unpack_mask', 'pack_positive', 'mask_select')
+       'norm_terms', 'pack_mask', 'unpack_mask', 'pack_positive', 'mask_select', 'mask_select_')
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # (shape, group_dim, group_size), group_dim non-negative as the backends take it: channels in
 # the middle with a partial last group, channels last (the kernels' per-element pattern), and
@@ -257,12 +257,31 @@ def _mask_select(backend: QuantBackend, device: torch.device) -> Iterator[_Case]
                     partial(REFERENCE.mask_select, x, data, x.shape))
 
 
+def _in_place(op: Callable[..., torch.Tensor], values: torch.Tensor, *args: object
+              ) -> torch.Tensor:
+    """``op`` on a copy of ``values`` (each side of a case writes its own), checked to return
+    the tensor it wrote."""
+    copy = values.clone()
+    out = op(copy, *args)
+    if out is not copy:
+        raise RuntimeError('an in-place op returned another tensor than its input')
+    return out
+
+
+def _mask_select_(backend: QuantBackend, device: torch.device) -> Iterator[_Case]:
+    for label, x, *_ in _layouts(device):
+        data = REFERENCE.pack_mask(torch.arange(x.numel(), device=device).view(x.shape) % 3 > 0)
+        yield _Case(label, partial(_in_place, backend.mask_select_, x, data, x.shape),
+                    partial(_in_place, REFERENCE.mask_select_, x, data, x.shape))
+
+
 CASES: dict[str, Callable[[QuantBackend, torch.device], Iterator[_Case]]] = {
     'observe': _observe, 'quantize': _quantize, 'dequantize': _dequantize,
     'observe_quantize': _observe_quantize, 'refine': _refine,
     'dequantize_refined': _dequantize_refined, 'norm_terms': _norm_terms,
     'pack_mask': _pack_mask,
-    'unpack_mask': _unpack_mask, 'pack_positive': _pack_positive, 'mask_select': _mask_select}
+    'unpack_mask': _unpack_mask, 'pack_positive': _pack_positive, 'mask_select': _mask_select,
+    'mask_select_': _mask_select_}
 
 
 def _difference(got: object, want: object) -> str | None:

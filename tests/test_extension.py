@@ -441,6 +441,12 @@ def test_relu_mask_kernels(shape, dtype):
     assert torch.equal(got.view(-1).view(BITS_OF[dtype]), want.view(-1).view(BITS_OF[dtype]))
     assert torch.equal(PackedMask.positive(x).select(values).view(-1).view(BITS_OF[dtype]),
                        want.view(-1).view(BITS_OF[dtype]))
+    written = values.clone()
+    k.mask_select_(written, data)  # in place
+    assert torch.equal(written.view(-1).view(BITS_OF[dtype]), want.view(-1).view(BITS_OF[dtype]))
+    written = values.clone()
+    assert PackedMask.positive(x).select_(written) is written
+    assert torch.equal(written.view(-1).view(BITS_OF[dtype]), want.view(-1).view(BITS_OF[dtype]))
     with pytest.raises(RuntimeError, match='must be float32'):
         k.pack_positive(x.to(torch.int32))
     with pytest.raises(RuntimeError, match='take'):

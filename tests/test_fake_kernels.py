@@ -95,7 +95,31 @@ def mask_args(op, shape, dtype):
     x = sample(shape, dtype, 'cpu')
     data = OPS.pack_mask((x > 0).contiguous())
     return {'pack_mask': (x > 0,), 'unpack_mask': (data, list(shape)),
-            'pack_positive': (x,), 'mask_select': (x, data)}[op]
+            'pack_positive': (x,), 'mask_select': (x, data), 'mask_select_': (x, data)}[op]
+
+
+def refined_args(op, shape, group_dim, group_size, dtype, device, standardized):
+    """``refine``'s, ``dequantize_refined``'s or ``dequantize`` with a row divisor's
+    arguments."""
+    x, lower, scale, *_ = quantize_args(shape, group_dim, group_size, dtype, device, 8, False,
+                                        False)
+    codes = OPS.quantize(x, lower, scale, 8, group_dim, group_size, False, 0, 0, False)
+    groups = lower.numel()
+    mean, rstd = ((torch.linspace(-1, 1, groups, device=device),
+                   torch.linspace(0.5, 2, groups, device=device)) if standardized else (None, None))
+    if op == 'refine':
+        return (x, codes, lower, scale, mean, rstd, group_dim, group_size)
+    if op == 'dequantize_refined':
+        return (codes, codes, lower, scale, lower, scale, list(shape), group_dim, group_size,
+                dtype)
+    divisor = torch.linspace(0.5, 2, max(shape[0], 1), device=device)
+    return (codes, lower, scale, 8, list(shape), group_dim, group_size, dtype, divisor)
+
+
+def norm_terms_args(channels, device, weighted):
+    rstd = torch.linspace(0.1, 400, channels, device=device)
+    weight = torch.linspace(-1, 1, channels, device=device) if weighted else None
+    return (rstd, rstd.flip(0), weight, 1e-5, 1e-4)
 
 
 def opcheck_samples(device):
@@ -113,23 +137,29 @@ def opcheck_samples(device):
         yield 'quantize', quantize_args(*layout, dtype, device, bits, pack, stochastic)
     for dtype, _, (bits, pack), layout in combos + [(torch.float16, 0, (2, True), empty)]:
         yield 'dequantize', dequantize_args(*layout, dtype, device, bits, pack)
+    for (dtype, standardized, _, layout), op in zip(combos, ('refine', 'dequantize_refined') * 2):
+        yield op, refined_args(op, *layout, dtype, device, standardized)
+        yield op, refined_args(op, *layout, dtype, device, not standardized)
+    yield 'norm_terms', norm_terms_args(37, device, True)
+    yield 'norm_terms', norm_terms_args(1, device, False)
     if device != 'cpu':  # the other ops have CPU kernels only
         return
     for (dtype, stochastic, (bits, pack), layout), standardized in zip(
             combos + [(torch.float64, True, (2, True), empty)], (False, True) * 3):
         yield 'observe_quantize', observe_quantize_args(*layout, dtype, bits, pack, stochastic,
                                                         standardized)
-    for op in ('pack_mask', 'unpack_mask', 'pack_positive', 'mask_select'):
+    for op in ('pack_mask', 'unpack_mask', 'pack_positive', 'mask_select', 'mask_select_'):
         for dtype, shape in zip(DTYPES, ((7,), (3, 5, 7), (2, 8), (0, 3))):
             yield op, mask_args(op, shape, dtype)
 
 
 def opcheck_params():
     """(op, device) for every op on CPU, and on CUDA for the ops with CUDA kernels."""
-    ops = ('observe', 'quantize', 'dequantize', 'observe_quantize', 'pack_mask', 'unpack_mask',
-           'pack_positive', 'mask_select')
+    cuda = ('observe', 'quantize', 'dequantize', 'refine', 'dequantize_refined', 'norm_terms')
+    ops = cuda + ('observe_quantize', 'pack_mask', 'unpack_mask', 'pack_positive', 'mask_select',
+                  'mask_select_')
     return [pytest.param(op, 'cpu', id=f'{op}-cpu') for op in ops] + [
-        pytest.param(op, 'cuda', marks=requires_cuda, id=f'{op}-cuda') for op in ops[:3]]
+        pytest.param(op, 'cuda', marks=requires_cuda, id=f'{op}-cuda') for op in cuda]
 
 
 @pytest.mark.parametrize('op, device', opcheck_params())
@@ -151,17 +181,21 @@ def metadata_cases(device):
                     yield 'quantize', quantize_args(*layout, dtype, device, bits, pack,
                                                     stochastic)
                 yield 'dequantize', dequantize_args(*layout, dtype, device, bits, pack)
+                if bits == 8 and not pack:
+                    for op in ('refine', 'dequantize_refined', 'dequantize'):
+                        yield op, refined_args(op, *layout, dtype, device, dtype == torch.float16)
                 if device == 'cpu':
                     for standardized in (False, True):
                         yield 'observe_quantize', observe_quantize_args(
                             *layout, dtype, bits, pack, True, standardized)
             if device == 'cpu':
-                for op in ('pack_mask', 'unpack_mask', 'pack_positive', 'mask_select'):
+                for op in ('pack_mask', 'unpack_mask', 'pack_positive', 'mask_select',
+                           'mask_select_'):
                     yield op, mask_args(op, shape, dtype)
 
 
 def metadata(out):
-    outs = out if isinstance(out, tuple) else (out,)
+    outs = out if isinstance(out, tuple) else () if out is None else (out,)  # in place: None
     return [(tuple(t.shape), t.stride(), t.dtype, t.device, t.is_contiguous()) for t in outs]
 
 
