@@ -212,11 +212,11 @@ def backbone_upernet(name: str, size: int, batch: int) -> Any:
     return upernet_config(backbone_config(name), size, batch)
 
 
-def run_one(name: str, size: int, batch: int, timeout: float) -> dict:
+def run_one(name: str, size: int, batch: int, timeout: float, calibrate: bool = False) -> dict:
     """``measure`` of UPerNet around the backbone, in a process of its own."""
     size = SIZES.get(name, size)
     row: dict = dict(backbone=name, arch=arch(name), size=size)
-    return sweep.run_one(__file__, name, size, batch, timeout, row)
+    return sweep.run_one(__file__, name, size, batch, timeout, row, calibrate)
 
 
 def format_row(row: dict) -> str:
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.one:
         sys.exit(sweep.one(lambda: backbone_upernet(args.one, args.size, args.batch), args.size,
-                           args.batch, args.json))
+                           args.batch, args.json, args.calibrate))
     known = names()
     # any timm model runs through the same path (``timm_arguments``), named or not
     known += [n for n in args.backbones or [] if n.startswith('timm/') and n not in known]
@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     skipped = [dict(backbone=n, arch='-', outcome=f'skipped: {SKIPPED[n]}')
                for n in (args.backbones or SKIPPED) if n in SKIPPED]
     rows = sweep.run_rows(chosen, skipped,
-                          lambda name: run_one(name, args.size, args.batch, args.timeout),
+                          lambda name: run_one(name, args.size, args.batch, args.timeout,
+                                               args.calibrate),
                           format_row, HEADER, args.jobs)
     order = {n: i for i, n in enumerate([*known, *SKIPPED])}
     rows.sort(key=lambda r: order[r['backbone']])

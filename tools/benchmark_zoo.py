@@ -117,12 +117,13 @@ def zoo_config(path: str, size: int) -> Any:
     return cfg
 
 
-def run_one(family: str, size: int, batch: int, timeout: float) -> dict:
+def run_one(family: str, size: int, batch: int, timeout: float, calibrate: bool = False
+            ) -> dict:
     """``measure`` of the family's config in a process of its own."""
     path = osp.join(configs_root(), family, CONFIGS[family])
     size = SIZES.get(family, size)
     row: dict = dict(family=family, config=f'{family}/{CONFIGS[family]}', size=size)
-    return sweep.run_one(__file__, path, size, batch, timeout, row)
+    return sweep.run_one(__file__, path, size, batch, timeout, row, calibrate)
 
 
 def format_row(row: dict) -> str:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.one:
         sys.exit(sweep.one(lambda: zoo_config(args.one, args.size), args.size, args.batch,
-                           args.json))
+                           args.json, args.calibrate))
     found = families()
     unknown = sorted(set(args.families or []) - set(found))
     if unknown:
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     skipped = [dict(family=f, config=None, outcome=f'skipped: {SKIPPED[f]}')
                for f in (args.families or found) if f in SKIPPED]
     rows = sweep.run_rows(chosen, skipped,
-                          lambda family: run_one(family, args.size, args.batch, args.timeout),
+                          lambda family: run_one(family, args.size, args.batch, args.timeout,
+                                                 args.calibrate),
                           format_row, HEADER, args.jobs)
     rows.sort(key=lambda r: r['family'])
     return sweep.write_results(rows, args, format_row, HEADER)

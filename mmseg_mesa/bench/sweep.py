@@ -51,10 +51,12 @@ def same_losses(a: dict, b: dict) -> bool:
                                                     zip(flat(a[k]), flat(b[k]))) for k in a)
 
 
-def measure(cfg: Any, size: int, batch_size: int, result: dict) -> dict:
+def measure(cfg: Any, size: int, batch_size: int, result: dict, calibrated: bool = False
+            ) -> dict:
     """The baseline and the default Mesa conversion of ``cfg``'s model on one batch of
     ``batch_size`` random ``size`` x ``size`` images, filling ``result`` (its ``stage`` says how
-    far it got, so a failure names the step that raised)."""
+    far it got, so a failure names the step that raised); ``calibrated``: calibrated first
+    (``MesaConfig.calibrate``) as a run is."""
     from mmseg_mesa import MesaConfig, convert_to_mesa
     from mmseg_mesa.bench.calibration import report_row
     from mmseg_mesa.bench.coverage import module_types, split_saved, training_forward
@@ -75,7 +77,7 @@ def measure(cfg: Any, size: int, batch_size: int, result: dict) -> dict:
     reference.train()
     exact_losses, exact = losses_and_gradients(reference, data)
     result['stage'] = 'conversion'
-    config = MesaConfig()
+    config = MesaConfig(calibrate=calibrated)
     report = convert_to_mesa(model, config=config)
     model.train()
     if config.calibrate is not None:
@@ -120,14 +122,15 @@ def dispatch_row(reference: torch.nn.Module, model: torch.nn.Module, data: tuple
                     step_counts(reference, data, warmup=False))
 
 
-def one(make_config: Callable[[], Any], size: int, batch: int, json_path: str) -> int:
+def one(make_config: Callable[[], Any], size: int, batch: int, json_path: str,
+        calibrate: bool = False) -> int:
     """A tool's ``--one``: build the config and ``measure`` it, writing the row (with its
     ``outcome``: ``ok`` or the stage that failed and its error) to ``json_path``; the exit
     status is 1 on failure."""
     result: dict = dict(stage='config')
     code = 0
     try:
-        measure(make_config(), size, batch, result)
+        measure(make_config(), size, batch, result, calibrate)
         result['outcome'] = 'ok'
     except Exception as error:  # the row says where and why; the sweep goes on
         stage = result.get('stage', '?')
@@ -141,7 +144,8 @@ def one(make_config: Callable[[], Any], size: int, batch: int, json_path: str) -
     return code
 
 
-def run_one(script: str, key: str, size: int, batch: int, timeout: float, row: dict) -> dict:
+def run_one(script: str, key: str, size: int, batch: int, timeout: float, row: dict,
+            calibrate: bool = False) -> dict:
     """``python SCRIPT --one KEY`` in a process of its own (one thread unless
     ``OMP_NUM_THREADS`` says otherwise): ``row`` with the measured fields and ``seconds``, or
     with an ``outcome`` saying how the process ended."""
@@ -149,7 +153,8 @@ def run_one(script: str, key: str, size: int, batch: int, timeout: float, row: d
         out = osp.join(tmp, 'result.json')
         # faulthandler: a process that crashes in native code still names the Python frame
         command = [sys.executable, '-X', 'faulthandler', osp.abspath(script), '--one', key,
-                   '--size', str(size), '--batch', str(batch), '--json', out]
+                   '--size', str(size), '--batch', str(batch), '--json', out] + (
+                       ['--calibrate'] if calibrate else [])
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '1'))
         start = time.perf_counter()
         try:
@@ -218,6 +223,8 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, things: str) -> None:
     parser.add_argument('--timeout', type=float, default=900, help=f'seconds per {things[:-1]}')
     parser.add_argument('--json', default=None, help='write the rows as JSON here')
     parser.add_argument('--markdown', default=None, help='write the table as Markdown here')
+    parser.add_argument('--calibrate', action='store_true',
+                        help='calibrate each model first, as mesa=dict(calibrate=True) does')
     parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
 
 
