@@ -333,6 +333,8 @@ def refine_reference(x: torch.Tensor, codes: torch.Tensor, lower: torch.Tensor,
             rstd, channels, group_size, group_dim, ndim)
     coarse = Packed(codes, lower, scale, x.shape, torch.float32, 8, group_dim, group_size)
     residual = v - dequantize_reference(codes, coarse, torch.float32)
+    # the span of two coarse steps: its step is 2 * scale / 255 (scale_from_span's, a coarse
+    # step being positive), which scale / 127.5 rounds to exactly
     fine_lower, fine_scale = -scale, scale / 127.5
     spec = QuantSpec(bits=8, group_dim=group_dim, group_size=group_size, stochastic=False)
     return (quantize_reference(residual, fine_lower, fine_scale, spec, group_dim), fine_lower,

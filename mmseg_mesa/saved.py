@@ -66,10 +66,12 @@ class PackedMask:
     def select_(self, values: torch.Tensor) -> torch.Tensor:
         """``select`` written into ``values`` (shaped like the mask): one bool per element
         besides it, where ``select`` makes a second tensor of ``values``' size."""
-        if self.order is None:
-            return _mask_backend(values).mask_select_(values, self.data, self.shape)
-        return torch.where(self.unpack(), values, filled(0.0, (), values, values.dtype),
-                           out=values)
+        stored = values if self.order is None else values.permute(self.order)
+        if not stored.is_contiguous():  # not laid out as the mask
+            return torch.where(self.unpack(), values, filled(0.0, (), values, values.dtype),
+                               out=values)
+        _mask_backend(values).mask_select_(stored, self.data, stored.shape)
+        return values
 
 
 Saveable = torch.Tensor | Codes | PackedMask | None

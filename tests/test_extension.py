@@ -447,6 +447,15 @@ def test_relu_mask_kernels(shape, dtype):
     written = values.clone()
     assert PackedMask.positive(x).select_(written) is written
     assert torch.equal(written.view(-1).view(BITS_OF[dtype]), want.view(-1).view(BITS_OF[dtype]))
+    if x.dim() == 4:  # channels last: the mask in the map's own order, written through it
+        last = torch.channels_last
+        mask = PackedMask.positive(x.contiguous(memory_format=last))
+        assert mask.order is not None
+        written = values.contiguous(memory_format=last)
+        assert mask.select_(written) is written
+        assert written.is_contiguous(memory_format=last)
+        assert torch.equal(written.contiguous().view(-1).view(BITS_OF[dtype]),
+                           want.view(-1).view(BITS_OF[dtype]))
     with pytest.raises(RuntimeError, match='must be float32'):
         k.pack_positive(x.to(torch.int32))
     with pytest.raises(RuntimeError, match='take'):

@@ -209,7 +209,7 @@ class MesaBatchNormFunction(torch.autograd.Function):
             needs = (needs[0], True, needs[2])
         if exact is not None:  # the affine part's gradient is corrected along itself
             needs = (needs[0], needs[1], True)
-        grads = None
+        grads = eps_share = None
         if (ctx.owned_grads[0] and grad.dtype == ctx.input_dtype == torch.float32
                 and not fits_fused(grad)):
             # the input gradient overwrites the incoming one, decoded by chunks
@@ -219,7 +219,7 @@ class MesaBatchNormFunction(torch.autograd.Function):
         if grads is None:
             grads, eps_share = channel_backward(
                 cast(grad, torch.float32), unpack(packed, torch.float32), invstd, ctx.eps,
-                weight, bias, needs, getattr(packed, 'backend', 'auto'))
+                weight, bias, needs, getattr(packed, 'backend', 'auto'), eps_share)
         grad_x, grad_w, grad_b = cast_grads(ctx, grads, weight, bias)
         grad_w, grad_b = scale_free.corrected_affine(exact, grad_w, grad_b, weight, bias)
         scale_free.leave(ctx, grad_x, grad_w, weight, eps_share)
@@ -247,8 +247,8 @@ def eps_share_of(invstd: torch.Tensor, eps: float) -> torch.Tensor:
 
 def channel_backward(grad: torch.Tensor, decoded: torch.Tensor, invstd: torch.Tensor,
                      eps: float, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                     needs: tuple[bool, bool, bool], backend: str = 'auto'
-                     ) -> tuple[tuple, torch.Tensor]:
+                     needs: tuple[bool, bool, bool], backend: str = 'auto',
+                     eps_share: torch.Tensor | None = None) -> tuple[tuple, torch.Tensor]:
     """A BatchNorm's fp32 ``(grad_x, grad_weight, grad_bias)`` from the fp32 output gradient and
     its decoded normalized input restored to the exact per-channel moments it had before
     quantization, and ``eps_share_of`` its channels.
@@ -257,10 +257,12 @@ def channel_backward(grad: torch.Tensor, decoded: torch.Tensor, invstd: torch.Te
     codes normalized by ``native_batch_norm`` (whose epsilon only keeps a constant channel
     finite), and its backward given the spread each channel had as its 1/std, so no pass
     multiplies it out; the per-channel terms come from one op (``norm_terms``: unreliable
-    channels keep the codes' own spread). Above it, re-standardized in place (one).
+    channels keep the codes' own spread). Above it, re-standardized in place (one), with
+    ``eps_share`` where the caller has it.
     """
     if not fits_fused(decoded):
-        eps_share = eps_share_of(invstd, eps)
+        if eps_share is None:
+            eps_share = eps_share_of(invstd, eps)
         x_norm = standardize(decoded, [0] + list(range(2, decoded.dim())), invstd, eps,
                              (1.0 - eps_share).view_as(invstd))
         return normalization_backward(grad, x_norm, invstd, weight, bias, NormSets.channels(),
