@@ -95,9 +95,16 @@ def restore_rounding_state(state: dict[str, list[int]]) -> None:
     """Set the streams that ``rounding_state`` recorded (CUDA's on the current device).
 
     A stream belongs to its torch seed: a run seeded otherwise restarts it at first use, as a
-    fresh run would.
+    fresh run would. A stream it did not record had not begun: it begins again at its next use,
+    from offset 0, rather than going on from where draws since left it (steps taken from a state
+    saved before any rounding, as the calibration's at a run's first iteration, each draw what
+    the first would).
     """
     check_rounding_state(state)
+    if 'cpu' not in state:
+        _STREAMS_BY_DEVICE.pop(_CPU, None)
+    if 'cuda' not in state and torch.cuda.is_initialized():
+        _STREAMS_BY_DEVICE.pop(_device_key('cuda'), None)
     for kind, values in state.items():
         if kind == 'cuda' and not torch.cuda.is_available():
             continue

@@ -11,7 +11,7 @@ from mmseg_mesa import MesaConfig, convert_to_mesa
 from mmseg_mesa.calibration import calibrate, first_images, refined_layers, role
 from mmseg_mesa.config import Calibration
 from mmseg_mesa.quantizer import ActivationQuantizer, Packed, QuantSpec, Refined
-from mmseg_mesa.rounding import rounding_state
+from mmseg_mesa.rounding import reset_rounding_generators, rounding_state
 from mmseg_mesa.training_state import restore_training_state, training_state
 
 
@@ -131,6 +131,28 @@ def test_nothing_but_the_choice_changes():
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, grads[name]), name
     assert torch.equal(model(x), out)
+
+
+def test_every_step_draws_the_same_from_streams_not_begun():
+    """At a run's first iteration nothing has been rounded yet: the calibration's steps each
+    start from streams not begun, so equal choices give equal gradients (the 8-bit step twice
+    over, as its reference refined), and the training step after it draws as without it."""
+    model, _, x = converted(True)
+    twin = copy.deepcopy(model)
+    assert rounding_state() == {}
+    report = calibrate(model, step_of(model, x), Calibration(passes=3))
+    assert rounding_state() == {}
+    assert report.exhausted and report.candidates == len(refined_layers(model))
+    assert report.after[0] == 0.0  # every layer refined, as in the reference step
+    chosen = set(refined_layers(model))
+    for name, q in twin.named_modules():
+        if isinstance(q, ActivationQuantizer):
+            q.keep_refined = name in chosen
+    got = gradient(model, x)
+    reset_rounding_generators()
+    want = gradient(twin, x)
+    for name, g in want.items():
+        assert torch.equal(got[name], g), name
 
 
 def test_keep_refined_makes_every_pack_refined():

@@ -337,6 +337,32 @@ def test_logits_too_large_for_8_bit_leave_the_attention_to_torch(monkeypatch, fa
     assert torch.equal(got, want) and relative(grads, exact) < 1e-6
 
 
+def test_refined_codes_by_choice_still_leave_sharp_attention_to_torch():
+    """How sharp a map is is measured on the 8-bit codes, whatever a quantizer keeps: with
+    every quantizer keeping refined codes (``keep_refined``, the calibration's choice) the
+    attention is left to torch as at 8 bits, not replayed from refined q and k (whose map's
+    gradient strays: the logits are too large for them too), and the gradient is exact."""
+    from mmseg_mesa.layers.recomputed_map import SHARP_MAP
+    from mmseg_mesa.quantizer import ActivationQuantizer
+    torch.manual_seed(0)
+    ref = SharpAttention()
+    ours = copy.deepcopy(ref)
+    MesaFunctional.convert(ours, MesaConfig())
+    x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    ours(x.requires_grad_())  # makes the call sites' quantizers
+    quantizers = [m for m in ours.modules() if isinstance(m, ActivationQuantizer)]
+    assert quantizers
+    for q in quantizers:
+        q.keep_refined = True
+        q.replay_error.restore(None)  # measured again at the next call
+        q.map_error.restore(None)
+    ours.mesa_left_to_torch.clear()
+    got, grads, _ = run(ours, x, grad)
+    want, exact, _ = run(ref, x, grad)
+    assert ours.mesa_left_to_torch == {SHARP_MAP: 1}
+    assert torch.equal(got, want) and relative(grads, exact) < 1e-6
+
+
 def test_sharp_logits_under_autocast_are_rebuilt_bit_for_bit():
     """Under bf16 autocast torch's recomputed product is the forward's, bit for bit."""
     from mmseg_mesa.layers.recomputed_map import SHARP_MAP

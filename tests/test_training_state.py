@@ -9,7 +9,7 @@ from torch import nn
 
 from mmseg_mesa import MesaConfig, convert_to_mesa
 from mmseg_mesa.quantizer import reset_rounding_generators
-from mmseg_mesa.rounding import rounding_state
+from mmseg_mesa.rounding import restore_rounding_state, rounding_counter, rounding_state
 from mmseg_mesa.training_state import quantizers, restore_training_state, training_state
 
 
@@ -102,6 +102,17 @@ def test_rounding_stream_position_is_in_the_state():
     assert rounding_state() == {}
     restore_training_state(model, round_trip(state))
     assert rounding_state() == state['rounding']
+
+
+def test_a_stream_not_begun_in_the_state_begins_again():
+    """A state saved before any rounding restores no stream as begun: draws made since are
+    forgotten, and the next call draws from offset 0, as the first after that state did."""
+    state = rounding_state()
+    assert state == {}
+    first = rounding_counter('cpu', 100)
+    assert first[1] == 0 and rounding_counter('cpu', 100)[1] > 0
+    restore_rounding_state(state)
+    assert rounding_state() == {} and rounding_counter('cpu', 100) == first
 
 
 def test_state_of_another_model_restores_what_matches_and_says_what_not():

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..config import MesaConfig
 from ..host import LateReading, reads_wait
-from ..quantizer import ActivationQuantizer, Packed, refine, sample_range, unpack
+from ..quantizer import ActivationQuantizer, Packed, Refined, refine, sample_range, unpack
 from ..saved import PackedMask, load, save
 from .autocast import cast, no_autocast_backward, record_input, returns_owned
 from .dropout import dropout_with_mask
@@ -212,14 +212,24 @@ def replay_error(q_hat: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor, k: t
                          q_hat_scale, scale)
 
 
+def coarse_codes(codes: Any) -> Any:
+    """The 8-bit codes of ``codes``: a ``Refined``'s first pass, any other codes as they are.
+
+    How far a replay from 8-bit codes strays says how sharp a map is, whatever is kept: a
+    quantizer that keeps refined codes by the calibration's choice (``keep_refined``) measures
+    and decides as at 8 bits, so that refining never turns a map that the rules leave to torch
+    (``recomputed_map.exact_map``) into one replayed from codes."""
+    return codes.coarse if isinstance(codes, Refined) else codes
+
+
 def heads_error(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, scale: float
                 ) -> torch.Tensor:
-    """``replay_error`` of the logits ``q @ k^T * scale`` from q's and k's ``pack_heads``
-    codes."""
+    """``replay_error`` of the logits ``q @ k^T * scale`` from the 8-bit codes
+    (``coarse_codes``) of q's and k's ``pack_heads`` codes."""
     batch = q.shape[0]
-    return replay_error(decoded_heads(first_image(codes_q, batch), q.shape[1]),
-                        decoded_heads(first_image(codes_k, batch), k.shape[1]), q, k,
-                        scale=scale)
+    return replay_error(decoded_heads(first_image(coarse_codes(codes_q), batch), q.shape[1]),
+                        decoded_heads(first_image(coarse_codes(codes_k), batch), k.shape[1]),
+                        q, k, scale=scale)
 
 
 def refine_limit(quantizer: Any) -> float:
@@ -251,10 +261,12 @@ def refined_heads(q: torch.Tensor, k: torch.Tensor, codes_q: Any, codes_k: Any, 
     (q's: ``MesaConfig.attention_refine_error``), as last received (``replay_reading``).
     Where they are, the caller refines v's too: a map sharp enough for this passes v's rounding
     on to the gradient (DeiT-S UPerNet's above measured 0.019 and 0.036 with only q and k
-    refined). Nothing is measured (no decode) where nothing could be refined: an infinite
-    limit, or codes of another compressor."""
+    refined). Codes refined already (``ActivationQuantizer.keep_refined``) are measured by their
+    8-bit pass (``coarse_codes``). Nothing is measured (no decode) where nothing could be
+    refined: an infinite limit, or codes of another compressor."""
     limit = refine_limit(quantizer)
-    if limit == math.inf or not (isinstance(codes_q, Packed) and isinstance(codes_k, Packed)):
+    if limit == math.inf or not (isinstance(coarse_codes(codes_q), Packed)
+                                 and isinstance(coarse_codes(codes_k), Packed)):
         return HeadCodes(codes_q, codes_k, False, None)
     error = replay_reading(quantizer).update(
         lambda: heads_error(q, k, codes_q, codes_k, scale))

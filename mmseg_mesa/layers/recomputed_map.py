@@ -44,6 +44,7 @@ from ..quantizer import ActivationQuantizer, Packed, Refined, refine, unpack
 from ..reuse import offers_codes, packed_reusing
 from ..saved import load, save
 from .attention_core import (
+    coarse_codes,
     first_image,
     heads_error,
     pack_heads,
@@ -254,10 +255,10 @@ def logits_recipe(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, quantizer: 
 
 def product_error(node: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``attention_core.sampled_error`` of a ``MesaMatMulFunction``'s product replayed from its
-    codes, on the first image: only that image's codes are decoded."""
+    8-bit codes (``coarse_codes``), on the first image: only that image's codes are decoded."""
     batch = a.shape[0] if a.dim() > 2 else 1
     with torch.no_grad():
-        decoded = [_first(unpack(first_image(p, batch), torch.float32), batch)
+        decoded = [_first(unpack(first_image(coarse_codes(p), batch), torch.float32), batch)
                    for p in load(node)]
         return sampled_error(*decoded, _first(a, batch), _first(b, batch))
 
