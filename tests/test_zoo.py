@@ -319,20 +319,27 @@ def test_backbones_from_outside_mmseg_configs_hold(name):
 
 
 @pytest.mark.slow
-def test_t2t_vit_sharp_attention_is_left_to_torch_and_named():
+@pytest.mark.parametrize('calibrated', [False, True])
+def test_t2t_vit_sharp_attention_is_left_to_torch_and_named(calibrated):
     """mmpretrain 1.2.0's T2T-ViT multiplies its logits by 8 where it means to divide (its
     ``qk_scale`` goes to a Python attention that divides by it): nearly one-hot maps, which
     8-bit codes cannot hold (whole-gradient error 0.083 with its maps packed). Its attention is
-    left to torch, bit-identical, and the sweep's row says why."""
+    left to torch, bit-identical, and the sweep's row says why. Calibrated, it stays so: the
+    calibration's refined q and k (its reference keeps every layer refined) do not turn the
+    maps into replayed ones, and the few layers it refines only lower the error."""
     from mmseg_mesa.bench.backbones import upernet_config
     from mmseg_mesa.bench.sweep import measure
     from mmseg_mesa.layers.recomputed_map import SHARP_MAP
     backbone = dict(type='mmpretrain.T2T_ViT', img_size=224, out_indices=(2, 5, 8, 13),
                     out_type='featmap')
-    result = measure(upernet_config(backbone, 128), 128, 2, {})
+    result = measure(upernet_config(backbone, 128), 128, 2, {}, calibrated)
     assert result['forward_identical']
     assert result['relative_error'] <= 0.02 and result['worst_cosine'] >= 0.99
     assert result['left_to_torch'] == [f'16 x MultiheadAttention: {SHARP_MAP}']
+    if calibrated:
+        calibration = result['calibration']
+        assert not calibration['exhausted']
+        assert calibration['after'][0] <= calibration['before'][0]
 
 
 @pytest.mark.slow
