@@ -337,23 +337,25 @@ def test_logits_too_large_for_8_bit_leave_the_attention_to_torch(monkeypatch, fa
     assert torch.equal(got, want) and relative(grads, exact) < 1e-6
 
 
-def test_refined_codes_by_choice_still_leave_sharp_attention_to_torch():
+@pytest.mark.parametrize('refined_by', ['choice', 'bits=16'])
+def test_refined_codes_still_leave_sharp_attention_to_torch(refined_by):
     """How sharp a map is is measured on the 8-bit codes, whatever a quantizer keeps: with
-    every quantizer keeping refined codes (``keep_refined``, the calibration's choice) the
-    attention is left to torch as at 8 bits, not replayed from refined q and k (whose map's
-    gradient strays: the logits are too large for them too), and the gradient is exact."""
+    every quantizer keeping refined codes (``keep_refined``, the calibration's choice, or a
+    16-bit spec) the attention is left to torch as at 8 bits, not replayed from refined q and k
+    (whose map's gradient strays where the logits are too large: T2T-ViT's), and the gradient
+    is exact."""
     from mmseg_mesa.layers.recomputed_map import SHARP_MAP
     from mmseg_mesa.quantizer import ActivationQuantizer
     torch.manual_seed(0)
     ref = SharpAttention()
     ours = copy.deepcopy(ref)
-    MesaFunctional.convert(ours, MesaConfig())
+    MesaFunctional.convert(ours, MesaConfig(bits=16 if refined_by == 'bits=16' else 8))
     x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
     ours(x.requires_grad_())  # makes the call sites' quantizers
     quantizers = [m for m in ours.modules() if isinstance(m, ActivationQuantizer)]
     assert quantizers
     for q in quantizers:
-        q.keep_refined = True
+        q.keep_refined = refined_by == 'choice'
         q.replay_error.restore(None)  # measured again at the next call
         q.map_error.restore(None)
     ours.mesa_left_to_torch.clear()
