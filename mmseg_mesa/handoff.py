@@ -20,7 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 V = TypeVar('V')
 
-__all__ = ['CODES', 'FEATURE_MAPS', 'MAPS', 'SAVED_LABEL', 'SCALE_FREE', 'HandOff']
+__all__ = ['ALL', 'CODES', 'FEATURE_MAPS', 'MAPS', 'SAVED_LABEL', 'SCALE_FREE', 'HandOff', 'carry']
 
 
 class HandOff(Generic[V]):
@@ -49,6 +49,18 @@ class HandOff(Generic[V]):
         """Whether ``t`` has an entry that an in-place write since the offer made void."""
         found = self._entries.get(t)
         return self.versioned and found is not None and found[1] != t._version
+
+    def carry(self, source: torch.Tensor, alias: torch.Tensor) -> None:
+        """Offer ``alias`` (the same values as ``source``: its detached alias or copy) what
+        ``source`` holds, where that still holds."""
+        found = self._entries.get(source)
+        if found is None:
+            return
+        if self.versioned:
+            if found[1] != source._version:
+                return
+            found = found[0]
+        self.offer(alias, found)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,3 +95,13 @@ SCALE_FREE: HandOff[Any] = HandOff(
 # it (``layout``).
 FEATURE_MAPS: HandOff[bool] = HandOff(
     'feature maps', 'this tensor has its channels on dim 1', versioned=True)
+
+ALL: tuple[HandOff, ...] = (CODES, SAVED_LABEL, MAPS, SCALE_FREE, FEATURE_MAPS)
+
+
+def carry(source: torch.Tensor, alias: torch.Tensor) -> None:
+    """Every hand-off of ``source`` offered to ``alias`` too: a compiled graph hands a Mesa
+    module's outputs on as detached aliases of the tensors its layers offered for
+    (``opaque``)."""
+    for kind in ALL:
+        kind.carry(source, alias)

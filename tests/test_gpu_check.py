@@ -58,13 +58,15 @@ def test_summary_says_what_ran_and_what_is_cuda_only(dry_run):
     assert status == {'env': 'passed', 'install': 'skipped', 'mmcv': 'passed',
                       'build_ext': 'skipped', 'tests': 'passed', 'tests_cuda_default': 'passed',
                       'kernels': 'skipped', 'syncs': 'passed', 'memory_b2': 'passed',
-                      'train': 'passed', 'end': 'done'}
+                      'train': 'passed', 'compile': 'passed', 'end': 'done'}
     assert summary['result']['failed'] == [] and summary['result']['timed_out'] == []
     assert 'refused without a GPU' in summary['steps']['kernels']['note']
     assert summary['acceptance'] == {}  # no GPU figures from a CPU run
     log = (out / 'gpu_check.log').read_text()
     assert summary['figures']['syncs']['added_syncs'] == 0  # the dispatcher's count on CPU
     assert summary['figures']['syncs']['kernel_ratio'] > 1
+    assert summary['figures']['compile']['breaks_in_mmseg_mesa'] == []
+    assert summary['figures']['compile']['recompiles_after_first'] == 0
     for step in ('env', 'tests', 'tests_cuda_default', 'syncs', 'memory_b2', 'train_fp32',
                  'load_plain'):
         assert f'[{step}] ' in log, step

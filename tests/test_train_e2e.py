@@ -1,7 +1,9 @@
 """End to end through our tools/train.py: train with Mesa, checkpoint, resume, then evaluate the
 checkpoint with plain mmseg (no Mesa) and load it on torch >= 2.6."""
+import math
 import os
 import os.path as osp
+import re
 import subprocess
 import sys
 
@@ -27,12 +29,12 @@ def data_options(root):
     return [f'{split}_dataloader.dataset.data_root={root}' for split in ('train', 'val', 'test')]
 
 
-def train(config, work_dir, root, iters, *extra, options=(), check=True):
+def train(config, work_dir, root, iters, *extra, options=(), check=True, timeout=300):
     cmd = [sys.executable, osp.join(ROOT, 'tools/train.py'), config, '--work-dir', work_dir,
            *extra, '--cfg-options', *data_options(root), f'train_cfg.max_iters={iters}',
            f'train_cfg.val_interval={iters}', 'default_hooks.checkpoint.interval=2',
            'train_dataloader.batch_size=2', 'default_hooks.logger.interval=1', *options]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONUNBUFFERED='1'))
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -189,3 +191,19 @@ def test_checkpoint_keeps_plain_mmseg_keys_and_mesa_state_apart(trained):
                             weights_only=False)
     assert not any('quant' in key or 'mesa' in key for key in checkpoint['state_dict'])
     assert set(checkpoint['mesa']) == {'format', 'estimates', 'rounding'}
+
+
+@pytest.mark.parametrize('config', [MESA_CONFIG, PLAIN_CONFIG], ids=['mesa', 'baseline'])
+def test_compiled_training_runs_and_saves_a_plain_checkpoint(tmp_path, data_root, config):
+    """``--compile``: the first iteration eager, the next 19 through torch.compile (baseline
+    and Mesa alike), finite losses, and a checkpoint that loads in the plain model."""
+    work_dir = str(tmp_path / 'compiled')
+    proc = train(config, work_dir, data_root, 20, '--compile',
+                 options=('default_hooks.checkpoint.interval=20',), timeout=900)
+    log = proc.stdout + proc.stderr
+    assert 'CompileHook: the training forward is compiled from the next iteration' in log
+    losses = [float(v) for v in re.findall(r'Iter\(train\) \[\s*\d+/20\].*? loss: ([\d.]+)', log)]
+    assert len(losses) == 20 and all(math.isfinite(v) for v in losses)
+    state = torch.load(osp.join(work_dir, 'iter_20.pth'), map_location='cpu',
+                       weights_only=False)['state_dict']
+    assert not any('quant' in key or 'mesa' in key for key in state)

@@ -37,9 +37,13 @@ Steps, in order of value; each has its own timeout and all end within ``--budget
                       then bf16), finite losses, then the checkpoint in the plain config: a
                       strict state-dict load and tools/test.py (train.json)
   memory_presets_bN   the other presets in fp32 and AMP at both batches (into memory.json)
+  compile             tools/benchmark_compile.py on Swin-T UPerNet 512x512, batch 2: the
+                      compiled baseline and Mesa model's first step (the compile), graphs,
+                      breaks (none in mmseg_mesa), recompiles (none), gradients against eager
+                      Mesa, step times next to eager (compile.json)
 
 summary.json is rewritten at every step's start and end, gpu_check.log gets every line as it
-comes, so a run killed at its limit still leaves what it did. OUT gets these 8 files and the
+comes, so a run killed at its limit still leaves what it did. OUT gets these 9 files and the
 mmcv wheel when one was built there (carry it next time: put it in .gpu-wheels/; --file-limit-mib
 leaves out a larger one, for a machine that returns only small files).
 
@@ -53,7 +57,8 @@ CUDA cases skip) and one quantizer test through the default-device plugin, expec
 benchmark_kernels.py to refuse without a GPU, counts the demo model's ops and syncs on CPU
 (benchmark_speed.py --count), runs tools/benchmark_memory.py on CPU on the demo
 model (64x64, batch 2, three modes), trains without --amp (mmengine's AmpOptimWrapper needs a
-GPU) and loads the checkpoint into the plain model but does not run tools/test.py.
+GPU), loads the checkpoint into the plain model but does not run tools/test.py, and compiles
+the demo model (benchmark_compile.py, 64x64).
 """
 from __future__ import annotations
 

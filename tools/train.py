@@ -2,6 +2,7 @@
 
     python tools/train.py configs/swin/mesa_swin-tiny_upernet_8xb2-160k_ade20k-512x512.py
     python tools/train.py ANY_MMSEG_CONFIG.py --cfg-options mesa=True
+    python tools/train.py CONFIG --compile    # the training forward through torch.compile
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from mmseg.registry import RUNNERS
 
 from mmseg_mesa.integrations import enable_mesa_in_config
 from mmseg_mesa.integrations.cli import add_runner_arguments, load_runner_config, parse_runner_args
+from mmseg_mesa.integrations.runner import add_hook
 
 
 def parse_args() -> argparse.Namespace:
@@ -24,6 +26,9 @@ def parse_args() -> argparse.Namespace:
                         help='resume from the latest checkpoint in the work_dir automatically')
     parser.add_argument('--amp', action='store_true', default=False,
                         help='enable automatic-mixed-precision training')
+    parser.add_argument('--compile', action='store_true', default=False,
+                        help='compile the training forward with torch.compile after the first '
+                             'iteration (CompileHook; baseline and Mesa alike)')
     add_runner_arguments(parser)
     return parse_runner_args(parser)
 
@@ -41,6 +46,8 @@ def build_config(args: argparse.Namespace) -> Config:
             cfg.optim_wrapper.type = 'AmpOptimWrapper'
             cfg.optim_wrapper.loss_scale = 'dynamic'
     cfg.resume = args.resume
+    if args.compile:
+        add_hook(cfg, 'CompileHook')
     enable_mesa_in_config(cfg)  # validates `mesa` before anything is built
     return cfg
 

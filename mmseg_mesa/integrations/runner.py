@@ -1,4 +1,5 @@
-"""Config plumbing for mmengine runners: ``mesa=...`` becomes a validated MesaConfig and a hook."""
+"""Config plumbing for mmengine runners: ``mesa=...`` becomes a validated MesaConfig and a hook
+(and ``--compile`` a ``CompileHook``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,8 +17,14 @@ def enable_mesa_in_config(cfg: Any) -> MesaConfig | None:
     config = MesaConfig.from_cfg(cfg.get('mesa'))
     if config is None:
         return None
-    hooks = list(cfg.get('custom_hooks') or [])
-    if not any(h.get('type') in ('MesaHook', 'mmseg_mesa.MesaHook') for h in hooks):
-        hooks.append(dict(type='MesaHook'))
-        cfg.custom_hooks = hooks
+    add_hook(cfg, 'MesaHook')
     return config
+
+
+def add_hook(cfg: Any, name: str) -> None:
+    """Add one of our hooks (registered when ``mmseg_mesa.integrations`` is imported, as our
+    tools do) to ``cfg.custom_hooks`` unless it is there."""
+    hooks = list(cfg.get('custom_hooks') or [])
+    if not any(h.get('type') in (name, f'mmseg_mesa.{name}') for h in hooks):
+        hooks.append(dict(type=name))
+        cfg.custom_hooks = hooks

@@ -53,7 +53,9 @@ class MesaEncoderDecoder(MesaModule, EncoderDecoder):
 
     def mesa_active(self, *tensors: torch.Tensor | None) -> bool:
         # The images need no gradient; what matters is that a training step saves activations.
-        return bool(self.training and self.mesa_config.enabled and torch.is_grad_enabled())
+        # Under torch.compile the unconverted steps run (``MesaModule.mesa_active``).
+        return bool(not torch.compiler.is_compiling() and self.training
+                    and self.mesa_config.enabled and torch.is_grad_enabled())
 
     def auxiliary_levels(self, levels: int) -> set[int]:
         """The levels the auxiliary heads read: the decode head must leave them."""

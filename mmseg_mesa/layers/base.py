@@ -8,11 +8,13 @@ and ``chunking`` (working through large tensors a few samples at a time).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from .. import opaque
 from ..config import MesaConfig
 from ..division import DivisionCompressor, DivisionSpec
 from ..quantizer import ActivationQuantizer, QuantSpec
@@ -77,6 +79,34 @@ class MesaModule:
     # puts its stem there in every training step). Layers whose forward depends on the mode
     # (dropout, BatchNorm, attention with dropout) compress in train mode only.
     mesa_any_mode: bool = False
+    # Set on a module whose first training step decides whether it stays converted (the generic
+    # path, ``MesaFunctional``). Until then dynamo traces its own forward (unconverted, its
+    # children each one op) rather than making it one op: a compiled graph's modules cannot
+    # change class between steps without a recompile.
+    mesa_probe_pending: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every Mesa forward is one op under ``torch.compile`` (``opaque``): dynamo meets the
+        call, not the layer's Python."""
+        super().__init_subclass__(**kwargs)
+        forward = cls.__dict__.get('forward')
+        if forward is None or getattr(forward, 'mesa_opaque', False):
+            return
+
+        @functools.wraps(forward)
+        def compiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if (torch.compiler.is_compiling() and not self.mesa_probe_pending
+                    and opaque.wanted(self, args, kwargs)):
+                return opaque.call(self, args, kwargs)
+            return forward(self, *args, **kwargs)
+
+        compiled_forward.mesa_opaque = True  # type: ignore[attr-defined]
+        cls.forward = compiled_forward
+
+    def __setstate__(self, state: dict) -> None:
+        """A copied module (``copy.deepcopy``, pickle) is registered like a converted one."""
+        super().__setstate__(state)  # type: ignore[misc]
+        opaque.register(self)  # type: ignore[arg-type]
 
     def __init__(self, *args: Any, mesa_config: MesaConfig | None = None, **kwargs: Any) -> None:
         """Build the torch module from its usual arguments, then attach Mesa."""
@@ -89,6 +119,7 @@ class MesaModule:
     def mesa_setup(self, config: MesaConfig) -> None:
         """Attach the quantizers; called once after the class swap (or from ``__init__``)."""
         self.mesa_config = config
+        opaque.register(self)  # type: ignore[arg-type]
         if self.mesa_row_groups:
             config = row_group_config(config)
         for name, (group_dim, group_size) in self.mesa_quantizers.items():
@@ -129,7 +160,11 @@ class MesaModule:
 
     def mesa_active(self, *tensors: torch.Tensor | None) -> bool:
         """Compress only when something will be saved for backward: grad mode on, an input
-        that needs a gradient, and train mode unless ``mesa_any_mode``."""
+        that needs a gradient, and train mode unless ``mesa_any_mode``. What dynamo traces of a
+        Mesa module (a method other than ``forward``, which is one op: ``opaque``) takes the
+        unconverted path, which inductor compiles as it compiles the baseline."""
+        if torch.compiler.is_compiling():
+            return False
         if not ((self.training or self.mesa_any_mode) and self.mesa_config.enabled  # type: ignore[attr-defined]
                 and torch.is_grad_enabled()):
             return False

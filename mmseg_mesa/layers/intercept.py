@@ -27,6 +27,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.utils import _pair
 from torch.overrides import TorchFunctionMode
 
+from .. import opaque
 from ..config import MesaConfig
 from ..layer_types import declare_layer_type
 from ..quantizer import ActivationQuantizer
@@ -565,7 +566,9 @@ class MesaFunctional(MesaModule, nn.Module):
     # first training step finds out whether its own forward calls anything Mesa routes, and if
     # not, the module goes back to its own class (``mesa_release``), so it costs nothing after.
     mesa_generic: bool = False
-    mesa_probe_pending: bool = False
+    # Released while a compiled graph ran it (``opaque.inside``), whose guards hold its class
+    # and hooks: it keeps both and runs its own forward.
+    mesa_inert: bool = False
 
     def mesa_setup(self, config: MesaConfig) -> None:
         super().mesa_setup(config)
@@ -595,7 +598,7 @@ class MesaFunctional(MesaModule, nn.Module):
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         # its children's parameters too: the first block after the image gets an input that
         # needs no gradient, but its own calls then read what its children made
-        if not self.mesa_active(*tensors, *self.parameters()):
+        if self.mesa_inert or not self.mesa_active(*tensors, *self.parameters()):
             return super().forward(*args, **kwargs)
         self.mesa_child_depth = 0
         capture = _Capture(self, probing=self.mesa_probe_pending)
@@ -611,6 +614,9 @@ class MesaFunctional(MesaModule, nn.Module):
         """Back to the module's own class, its child hooks removed: a module of the generic
         path whose forward calls nothing Mesa routes. What it counted in ``mesa_left_to_torch``
         stays on it for reports."""
+        if opaque.inside():
+            self.mesa_inert = True
+            return
         for child in _called_children(self):
             for hooks in (child._forward_pre_hooks, child._forward_hooks):
                 for key in [k for k, h in hooks.items()

@@ -88,6 +88,25 @@ def sync_figures(path: Path) -> dict | None:
                 step_time_ratio=results['modes']['mesa']['ratio'])
 
 
+def compile_figures(path: Path) -> dict | None:
+    """``benchmark_compile.py``'s figures: per mode the first step's time and step time (and
+    their ratio to the eager baseline), recompiles after the first compiled step, graph breaks
+    in ``mmseg_mesa``, the compiled Mesa step's gradient error against eager Mesa's."""
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())
+    modes = result['modes']
+    base = modes['baseline']['step_s']
+    return dict(
+        step_s={mode: m['step_s'] for mode, m in modes.items()},
+        first_step_s={mode: m['first_step_s'] for mode, m in modes.items()
+                      if 'first_step_s' in m},
+        mesa_compiled_ratio=modes['mesa compiled']['step_s'] / base,
+        recompiles_after_first=sum(m.get('recompiles_after_first', 0) for m in modes.values()),
+        breaks_in_mmseg_mesa=result.get('breaks', {}).get('breaks_in_mmseg_mesa', []),
+        gradients=result['gradients'])
+
+
 def memory_figures(results: dict) -> dict:
     """The default preset against the baseline, in fp32 and AMP (against AMP alone).
 

@@ -16,7 +16,7 @@ PLAIN_DEMO = 'configs/demo/swin-mini_upernet_demo.py'
 # largest file copied there otherwise (--file-limit-mib; default none: a built mmcv wheel, to
 # carry next time).
 OUT_FILES = ('summary.json', 'gpu_check.log', 'env.json', 'tests.xml', 'kernels.json',
-             'syncs.json', 'memory.json', 'train.json')
+             'syncs.json', 'memory.json', 'train.json', 'compile.json')
 FILE_LIMIT_MIB = None
 
 # No network is assumed: mmcv comes as a carried sdist. The extension is built for the visible
@@ -75,7 +75,8 @@ GPU = Sizes(test_files=('tests/test_extension.py',), cuda_default_files=LAYER_TE
             memory_presets=True, train_iters=20, train_batch=8, amp_dtypes=('float16', 'bfloat16'),
             test_tool=True,
             caps=dict(env=90, install=90, build_ext=300, tests=200, tests_cuda_default=150,
-                      kernels=150, syncs=150, memory=150, memory_presets=150, train=200))
+                      kernels=150, syncs=150, memory=150, memory_presets=150, train=200,
+                      compile=300))
 # The test that holds the CUDA kernels' codes to the CPU kernels' (both roundings): its outcome
 # is the summary's `cpu_cuda_codes` acceptance entry.
 CROSS_DEVICE_TEST = 'test_cuda_and_cpu_kernels_give_the_same_codes'
@@ -88,4 +89,4 @@ DRY = Sizes(test_files=('tests/test_extension.py::test_arch_coverage',
             train_iters=2, train_batch=2,
             amp_dtypes=(), test_tool=False,
             caps=dict(env=180, build_ext=120, tests=240, tests_cuda_default=120,
-                      kernels=120, syncs=120, memory=240, train=360))
+                      kernels=120, syncs=120, memory=240, train=360, compile=400))

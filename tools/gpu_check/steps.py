@@ -8,6 +8,7 @@ import re
 
 from .mmcv_setup import step_mmcv, wait_mmcv
 from .results import (
+    compile_figures,
     format_summary,
     junit_case_counts,
     junit_counts,
@@ -180,6 +181,32 @@ def step_syncs(check: Check) -> None:
                         f'{figures["added_syncs"]} syncs added' if figures else 'no counts'))
 
 
+def step_compile(check: Check) -> None:
+    """``benchmark_compile.py`` on the memory config at batch 2: the compiled baseline and the
+    compiled Mesa model's first step (the compile), graphs, graph breaks (none may be in
+    ``mmseg_mesa``), recompiles after the first step (none), gradients against eager Mesa and
+    step times next to eager."""
+    wait_mmcv(check)
+    name = 'compile'
+    if not check.begin(name, needs_s=60):
+        return
+    path = check.out / 'compile.json'
+    cmd = [check.python, 'tools/benchmark_compile.py', check.sizes.memory_config, '--device',
+           'cpu' if check.dry else 'cuda', '--batch', '2', '--steps', '3',
+           '--iters', str(check.sizes.speed_iters), '--json', str(path)]
+    rc, seconds, proc = check.run(name, cmd, check.timeout_for(name))
+    figures = compile_figures(path) if rc == 0 else None
+    if figures is not None:
+        check.summary['figures']['compile'] = figures
+    ok = figures is not None and figures['breaks_in_mmseg_mesa'] == [] and \
+        figures['recompiles_after_first'] == 0
+    check.outcome(name, rc, seconds, proc, ok=ok,
+                  note=(f'compiled Mesa step {figures["mesa_compiled_ratio"]:.2f}x eager '
+                        f'baseline, {len(figures["breaks_in_mmseg_mesa"])} breaks in mmseg_mesa, '
+                        f'{figures["recompiles_after_first"]} recompiles' if figures
+                        else 'no results'))
+
+
 def step_memory(check: Check, name: str, batch: int, modes: list[str]) -> None:
     """One tools/benchmark_memory.py run; its modes join the batch's entry of memory.json
     (one run per group of modes: a run cut at its timeout loses only its own group)."""
@@ -243,7 +270,8 @@ def run_steps(check: Check) -> int:
           for b in rest],
         *[(f'memory_presets_b{b}', lambda b=b: step_memory(
             check, f'memory_presets_b{b}', b, presets)) for b in check.sizes.memory_batches
-          if presets]]
+          if presets],
+        ('compile', lambda: step_compile(check))]
     for name, step in steps:
         if only and not {name, re.sub(r'_b\d+$', '', name)} & set(only):
             check.finish(name, 'skipped', 'not in --only')
