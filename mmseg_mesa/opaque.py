@@ -55,8 +55,9 @@ from . import handoff
 __all__ = ['call', 'inside', 'register', 'wanted']
 
 _MODULES: dict[int, weakref.ref] = {}  # key -> the module (registered at conversion)
-# (key, layout) -> facts the fake kernel found at trace time: the outputs' layout, whether the
-# module writes an input in place. The real kernel runs in the same process as the trace.
+# (key, layout) -> facts the fake kernel found at trace time: the outputs' layout, and the
+# (input, output) pairs of an input the module writes in place and returns. The real kernel runs
+# in the same process as the trace.
 _FOUND: dict[tuple[int, str], tuple[Any, tuple[tuple[int, int], ...]]] = {}
 _GRAPHS: dict[int, tuple[list, list]] = {}  # ticket -> (inputs needing grad, outputs)
 _TICKETS = itertools.count()

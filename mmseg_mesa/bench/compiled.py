@@ -90,7 +90,8 @@ def first_steps(forward: Callable, model: torch.nn.Module, batch: tuple, steps: 
 
 def break_sites(model: torch.nn.Module, batch: tuple) -> dict:
     """``torch._dynamo.explain`` over one loss forward: graphs, graph breaks, and each break
-    whose frame is in ``mmseg_mesa`` (file:line and reason)."""
+    whose frame is in ``mmseg_mesa`` (file:line and reason). It resets dynamo first, so every
+    frame is traced anew: what this process compiled before compiles again at its next call."""
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(*batch, mode='loss')
     ours = []
