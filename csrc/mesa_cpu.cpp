@@ -48,8 +48,9 @@ inline void merge_finite(scalar_t v, float& lo, float& hi) {
 // `hi` (channels entries each). The tensor is (outer, channels, inner); the task covers rows
 // [first, last) of the (outer * channels, inner) view, i.e. runs of one channel each.
 template <typename scalar_t>
-void channel_min_max(const scalar_t* __restrict x, const GroupLayout& layout, int64_t first,
-                     int64_t last, float* __restrict lo, float* __restrict hi) {
+__attribute__((always_inline)) inline void channel_min_max_loops(
+    const scalar_t* __restrict x, const GroupLayout& layout, int64_t first, int64_t last,
+    float* __restrict lo, float* __restrict hi) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t channels = layout.channels;
   if (layout.inner == 1) {  // channels last: element-wise over whole rows of channels
@@ -95,6 +96,31 @@ void channel_min_max(const scalar_t* __restrict x, const GroupLayout& layout, in
       c = 0;
     }
   }
+}
+
+#ifdef MESA_X86_SIMD
+bool runs_avx2();
+
+template <typename scalar_t>
+__attribute__((target("avx2"))) void channel_min_max_avx2(
+    const scalar_t* __restrict x, const GroupLayout& layout, int64_t first, int64_t last,
+    float* __restrict lo, float* __restrict hi) {
+  channel_min_max_loops(x, layout, first, last, lo, hi);
+}
+#endif
+
+// channel_min_max_loops in the widest build runs_avx2 allows (min and max round nothing: the
+// same result in every build).
+template <typename scalar_t>
+void channel_min_max(const scalar_t* x, const GroupLayout& layout, int64_t first, int64_t last,
+                     float* lo, float* hi) {
+#ifdef MESA_X86_SIMD
+  if (runs_avx2()) {
+    channel_min_max_avx2(x, layout, first, last, lo, hi);
+    return;
+  }
+#endif
+  channel_min_max_loops(x, layout, first, last, lo, hi);
 }
 
 // Where the one-byte-per-code loops find each element's group (quantize without bit packing,
