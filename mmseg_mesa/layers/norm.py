@@ -68,6 +68,7 @@ def layer_norm_normalized(x: torch.Tensor, normalized_shape: tuple, weight: torc
     """
     if not torch.is_autocast_enabled(device_type(x)):
         if x.dtype in WIDE_MOMENTS:
+            x = x.contiguous()  # both calls would copy a strided input (a transposed patch map)
             x_norm, _, rstd = torch.native_layer_norm(x, normalized_shape, None, None, eps)
             if weight is not None or bias is not None:
                 return (torch.native_layer_norm(x, normalized_shape, weight, bias, eps)[0],

@@ -156,7 +156,9 @@ def _project(d: torch.Tensor, p: torch.Tensor, target: torch.Tensor) -> torch.Te
     """``d`` (fp32, a row per channel) with its part along ``p`` set to ``target``. A row of
     ``p`` that is all zero leaves its row of ``d`` as it is: its shift, finite for any
     target below 3e8, multiplies zeros."""
-    along, norms = torch.bmm(p[:, None], torch.stack((d, p), 2))[:, 0].unbind(1)
+    # two row-wise dot products: a batch of matrix-vector products (bmm) over a stacked copy
+    # took 7x as long on CPU for a 512x4608 convolution weight
+    along, norms = torch.linalg.vecdot(p, d), torch.linalg.vecdot(p, p)
     shift = (target - along).div_(norms.clamp_min(1e-30))
     return d.addcmul_(p, shift[:, None])
 
