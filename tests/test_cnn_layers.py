@@ -539,3 +539,54 @@ def test_mode_free_layers_compress_in_eval_mode_inside_a_training_step():
     with torch.no_grad():
         fresh(x)
     assert all(b.numel() == 0 for n, b in fresh.named_buffers() if n.endswith('seen'))
+
+
+ADAPTIVE_SIZES = (1, (1, 1), 2, (3, 2), (None, 2), (1, None))
+AVERAGE_WINDOWS = [dict(kernel_size=3, stride=2, padding=1, count_include_pad=False),
+                   dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
+                   dict(kernel_size=2, divisor_override=3),
+                   dict(kernel_size=(3, 2), stride=(1, 2), padding=(1, 0))]
+PLANES = [((2, 5, 9, 11), False), ((2, 5, 9, 11), True), ((5, 9, 11), False)]
+AVERAGE_POOLS = (
+    [(nn.AdaptiveAvgPool2d, dict(output_size=size), shape, last)
+     for size in ADAPTIVE_SIZES for shape, last in PLANES + [((2, 4, 1, 1), False)]]
+    + [(nn.AvgPool2d, window, shape, last) for window in AVERAGE_WINDOWS for shape, last in PLANES])
+
+
+@pytest.mark.parametrize('cls,kwargs,shape,channels_last', AVERAGE_POOLS)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_average_pool_backward_is_torchs_own_op(cls, kwargs, shape, channels_last, dtype):
+    """The average poolings' backward calls the op torch's autograd calls (no pooling rerun):
+    the gradient equals torch's bit for bit, in its layout, for every output size (a 1x1 output
+    is torch's mean over the plane) and window setting, and nothing is saved."""
+    ref = cls(**kwargs)
+    ours = _swap(MesaAdaptiveAvgPool2d if cls is nn.AdaptiveAvgPool2d else MesaAvgPool2d)(
+        copy.deepcopy(ref), MesaConfig())
+    x = torch.randn(shape, dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1 = ref(x1)
+    with count_saved_tensors(ours) as report:
+        y2 = ours(x2)
+    assert torch.equal(y1, y2)
+    grad = upstream_grad(y1)
+    y1.backward(grad)
+    y2.backward(grad)
+    assert report.total_bytes == 0
+    assert torch.equal(x1.grad, x2.grad) and x1.grad.stride() == x2.grad.stride()
+
+
+def test_average_pool_under_autocast_replays_the_pooling():
+    """Under autocast the pooling's casts have backward steps of their own: backward reruns the
+    pooling on the probe there, and the gradient is still torch's."""
+    ref = nn.AdaptiveAvgPool2d((3, 2))
+    ours = _swap(MesaAdaptiveAvgPool2d)(copy.deepcopy(ref), MesaConfig())
+    x = torch.randn(2, 5, 9, 11)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        y1, y2 = ref(x1), ours(x2)
+    grad = upstream_grad(y1)
+    y1.backward(grad)
+    y2.backward(grad)
+    assert torch.equal(x1.grad, x2.grad)

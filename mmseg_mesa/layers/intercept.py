@@ -43,7 +43,7 @@ from .functional_routes import ROUTES, is_activation
 from .grid_sample import MesaGridSampleFunction
 from .linear import MesaLinearFunction
 from .matmul import MesaMatMulFunction
-from .pooling import MesaLinearPoolFunction
+from .pooling import MesaLinearPoolFunction, adaptive_pool_adjoint
 from .recomputed_map import (
     MesaLogitsFunction,
     MesaMapMatMulFunction,
@@ -446,7 +446,8 @@ class _Capture(TorchFunctionMode):
                 and 'pooling' in self.owner.mesa_config.layers):
             return None
         return MesaLinearPoolFunction.apply(
-            input, functools.partial(F.adaptive_avg_pool2d, output_size=output_size))
+            input, functools.partial(F.adaptive_avg_pool2d, output_size=output_size),
+            adaptive_pool_adjoint(output_size))
 
     def _sigmoid(self, x: torch.Tensor) -> torch.Tensor | None:
         """A gate the module computes itself (PIDNet's boundary attention): its output packed

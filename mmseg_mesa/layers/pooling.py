@@ -15,6 +15,7 @@ both sum in their own order.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,19 +122,25 @@ class MesaMaxPool2d(MesaModule, nn.MaxPool2d):
 class MesaLinearPoolFunction(torch.autograd.Function):
     """An average pooling that saves nothing: its backward does not read the input's values.
 
-    Backward runs the same pooling on a probe of the input's shape and takes its gradient, so
-    the result is exactly torch's (the same kernel), under the autocast state of the forward;
-    the pooling is linear, so its backward reads no value of the probe, which is left unfilled.
-    torch's adaptive / strided average pooling saves the whole input for that gradient.
+    Backward calls ``adjoint(grad, probe)``, the backward op torch's autograd calls for the
+    pooling, on a probe of the input's shape and memory format, left unfilled: the op reads only
+    its sizes and layout, so the gradient is exactly torch's. Where there is no such op, or
+    autocast was on in forward (its casts have backward steps of their own), it runs the pooling
+    on the probe under the forward's autocast state and takes the probe's gradient: the same
+    kernels, one more pooling. torch's adaptive / strided average pooling saves the whole input
+    for that gradient.
     """
 
     @staticmethod
     @returns_owned
-    def forward(ctx: Any, x: torch.Tensor, pool: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, pool: Any,
+                adjoint: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
         record_autocast(ctx, x)
         ctx.input_meta = (x.shape, x.dtype, x.device, x.is_contiguous(
             memory_format=torch.channels_last) and not x.is_contiguous())
         ctx.pool = pool
+        ctx.adjoint = None if ctx.autocast[0] else adjoint
         return pool(x)
 
     @staticmethod
@@ -141,10 +148,40 @@ class MesaLinearPoolFunction(torch.autograd.Function):
         shape, dtype, device, channels_last = ctx.input_meta
         probe = torch.empty(shape, dtype=dtype, device=device, memory_format=(
             torch.channels_last if channels_last else torch.contiguous_format))
+        if ctx.adjoint is not None:
+            return ctx.adjoint(grad, probe), None, None
         with torch.enable_grad(), replayed_autocast(ctx):
             probe.requires_grad_()
             (grad_x,) = torch.autograd.grad(ctx.pool(probe), probe, grad)
-        return grad_x, None
+        return grad_x, None, None
+
+
+def adaptive_pool_adjoint(output_size: Any) -> Callable[[torch.Tensor, torch.Tensor],
+                                                        torch.Tensor]:
+    """The backward of ``F.adaptive_avg_pool2d(x, output_size)`` as torch's autograd takes it:
+    a 1x1 output is the mean over the plane (torch computes it so), whose backward spreads
+    ``grad / (H * W)``; any other is ``_adaptive_avg_pool2d``'s backward op."""
+    def adjoint(grad: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+        plane = probe.shape[-2:]
+        pair = (output_size, output_size) if isinstance(output_size, int) else output_size
+        if all((plane[i] if s is None else s) == 1 for i, s in enumerate(pair)):
+            return grad.expand(probe.shape) / (plane[0] * plane[1])
+        return torch.ops.aten._adaptive_avg_pool2d_backward(grad, probe)
+    return adjoint
+
+
+def avg_pool_adjoint(pool: nn.AvgPool2d) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The backward of ``pool`` (``F.avg_pool2d`` with its settings): ``avg_pool2d``'s
+    backward op."""
+    kernel = list(_pair(pool.kernel_size))
+    stride = [] if pool.stride is None else list(_pair(pool.stride))
+    padding = list(_pair(pool.padding))
+
+    def adjoint(grad: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.avg_pool2d_backward(
+            grad, probe, kernel, stride, padding, pool.ceil_mode, pool.count_include_pad,
+            pool.divisor_override)
+    return adjoint
 
 
 # UPerHead's and PSPNet's pyramid pooling, SE blocks: torch keeps the whole input.
@@ -155,7 +192,8 @@ class MesaAdaptiveAvgPool2d(MesaModule, nn.AdaptiveAvgPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
             return super().forward(x)
-        return MesaLinearPoolFunction.apply(x, super().forward)
+        return MesaLinearPoolFunction.apply(x, super().forward,
+                                            adaptive_pool_adjoint(self.output_size))
 
 
 @mesa_layer(nn.AvgPool2d, 'pooling')
@@ -165,4 +203,4 @@ class MesaAvgPool2d(MesaModule, nn.AvgPool2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.mesa_active(x):
             return super().forward(x)
-        return MesaLinearPoolFunction.apply(x, super().forward)
+        return MesaLinearPoolFunction.apply(x, super().forward, avg_pool_adjoint(self))
