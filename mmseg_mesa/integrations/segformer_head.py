@@ -9,15 +9,13 @@ bit-identical); it is concatenated as it is.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from mmseg.models.decode_heads.segformer_head import SegformerHead
-from mmseg.models.utils import resize
 
 from ..config import MesaConfig
 from .fusion import classified, fused_conv_module, fusion_quantizers, level_quantizers
 from .modules import MesaDecodeHead
+from .resize import Resize
 
 
 class MesaSegformerHead(MesaDecodeHead, SegformerHead):
@@ -31,8 +29,7 @@ class MesaSegformerHead(MesaDecodeHead, SegformerHead):
         if not self.mesa_active(*inputs):
             return super().forward(inputs)
         inputs = self._transform_inputs(inputs)
-        upsample = functools.partial(resize, size=inputs[0].shape[2:],
-                                     mode=self.interpolate_mode, align_corners=self.align_corners)
+        upsample = Resize(tuple(inputs[0].shape[2:]), self.interpolate_mode, self.align_corners)
         outs = [conv(x) for conv, x in zip(self.convs, inputs)]
         del inputs
         quantizers = fusion_quantizers(self.fusion_conv, self.mesa_fused_quantizers, outs)

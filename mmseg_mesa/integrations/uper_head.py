@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from mmseg.models.decode_heads.uper_head import UPerHead
-from mmseg.models.utils import resize
 
 from ..config import MesaConfig
 from ..layers.autocast import returns_owned
@@ -35,6 +34,7 @@ from .fusion import (
     releasing_input,
 )
 from .modules import MesaDecodeHead
+from .resize import Resize
 from .segmentor import FeatureList
 
 
@@ -125,9 +125,8 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
         del features
         levels = len(laterals)
         for i in range(levels - 1, 0, -1):
-            laterals[i - 1] = upsample_add(laterals, i - 1, laterals[i], functools.partial(
-                resize, size=laterals[i - 1].shape[2:], mode='bilinear',
-                align_corners=self.align_corners))
+            laterals[i - 1] = upsample_add(laterals, i - 1, laterals[i], Resize(
+                tuple(laterals[i - 1].shape[2:]), 'bilinear', self.align_corners))
         fpn_outs: list[torch.Tensor | None] = []
         for i in range(levels - 1):
             holder = [laterals[i]]
@@ -135,8 +134,7 @@ class MesaUPerHead(MesaDecodeHead, UPerHead):
             fpn_outs.append(releasing_input(self.fpn_convs[i], holder))
         fpn_outs.append(laterals.pop())
         del laterals
-        upsample = functools.partial(resize, size=fpn_outs[0].shape[2:], mode='bilinear',
-                                     align_corners=self.align_corners)
+        upsample = Resize(tuple(fpn_outs[0].shape[2:]), 'bilinear', self.align_corners)
         quantizers = fusion_quantizers(self.fpn_bottleneck, self.mesa_fused_quantizers, fpn_outs)
         if quantizers is not None:
             return fused_conv_module(self.fpn_bottleneck, quantizers, fpn_outs, upsample)

@@ -126,8 +126,15 @@ def level_weight_grad(part: Packed, codes: FusedCodes, grad: torch.Tensor,
 def upsample_backward(upsample: Upsample, grad: torch.Tensor, shape: torch.Size,
                       dtype: torch.dtype) -> torch.Tensor:
     """The gradient of a level of ``shape`` from the gradient of its upsampling: autograd's own
-    backward of ``upsample``, run on a probe (only the level's shape matters: the upsampling is
-    linear, so its backward reads no value of the probe, which is left unfilled)."""
+    backward of ``upsample``. Where the upsampling names that backward op (an ``adjoint(grad,
+    shape)`` method, ``integrations.resize.Resize``), it is called directly; otherwise the
+    upsampling runs on a probe (only the level's shape matters: the upsampling is linear, so its
+    backward reads no value of the probe, which is left unfilled)."""
+    adjoint = getattr(upsample, 'adjoint', None)
+    if adjoint is not None:
+        result = adjoint(grad.to(dtype), shape)
+        if result is not None:
+            return result
     with torch.enable_grad():
         probe = torch.empty(shape, dtype=dtype, device=grad.device, requires_grad=True)
         out = upsample(probe)
