@@ -65,10 +65,13 @@ class Calibration:
 
     Args:
         error: The largest whole-gradient relative error the layers left at 8 bits may make
-            together. Defaults to 0.01 (half the 0.02 the sweeps hold every model to: the
-            calibration's batch is not the one trained on).
+            together. Defaults to 0.02, the bound the sweeps hold every model to: a model whose
+            8-bit codes already hold it keeps them (a tighter bound refined a third of the
+            layers of models at 0.015, docs/sweeps.md).
         cosine: The smallest cosine of any parameter's gradient (among those at least 1e-3 of
-            the largest) the layers left at 8 bits may leave. Defaults to 0.995.
+            the largest) the layers left at 8 bits may leave. Defaults to 0.99, the sweeps'
+            bound; each parameter's expected squared error is held to half its limit, since
+            one step's error on one parameter is one draw.
         passes: The most training steps (forward and backward) it may run; where they run out
             it refines the groups of layers it has not split yet. Defaults to 64.
         batch: Images of the first training batch it steps on (all of them where it has
@@ -77,8 +80,8 @@ class Calibration:
             tensors, so it fits wherever the baseline trains on two. Defaults to 2.
     """
 
-    error: float = 0.01
-    cosine: float = 0.995
+    error: float = 0.02
+    cosine: float = 0.99
     passes: int = 64
     batch: int = 2
 
@@ -188,11 +191,10 @@ class MesaConfig:
             8-bit and with refined codes, and the layers whose codes move the gradient beyond
             the bounds are found by halving groups of layers (``mmseg_mesa.calibration``). It
             finds what no rule names (ConViT's positional projection, ReXNet's). The rules
-            above still apply on top. ``True`` (the default bounds, ``Calibration``), a dict
-            of ``Calibration`` fields, or False (the rules alone). Defaults to False: on by
-            default it refined much where an error near 0.015 spreads over many layers
-            (MobileViT's saved share 0.199 -> 0.291 at 128x128) and moved T2T-ViT's sweep
-            error 0.011 -> 0.027, and the sweeps have not been rerun with it.
+            above still apply on top, as cheap first choices it measures with. ``True`` (the
+            default bounds, ``Calibration``), a dict of ``Calibration`` fields, or False (the
+            rules alone). Defaults to the default bounds: where the rules hold, it costs a
+            forward and two steps of two images, once per run.
 
     Named presets (``MesaConfig.preset(name)``, or ``mesa=dict(preset=name, ...)`` in a config)
     bundle these fields; see ``PRESETS``.
@@ -216,7 +218,7 @@ class MesaConfig:
     attention_maps: str = 'recompute'
     attention_refine_error: float = 0.05
     batchnorm_refine_below: int = 256
-    calibrate: Calibration | None = None
+    calibrate: Calibration | None = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):

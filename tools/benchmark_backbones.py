@@ -3,6 +3,7 @@
     python tools/benchmark_backbones.py [--size 128] [--batch 2]
         [--backbones ConvNeXt timm/resnet18 ...] [--jobs 1] [--timeout 900]
         [--json work_dirs/benchmarks/backbones.json] [--markdown PATH]
+        [--no-calibrate | --calibrate-error 0.02 --calibrate-cosine 0.99]
 
 Every mmpretrain backbone that returns multi-level feature maps (``MMPRETRAIN``: the smallest
 arch of each, through ``type='mmpretrain.<Name>'``) and a set of timm models through
@@ -11,12 +12,14 @@ arch of each, through ``type='mmpretrain.<Name>'``) and a set of timm models thr
 (``mmseg_mesa.bench.backbones``; plain ViTs get mmseg's ``MultiLevelNeck``). Random weights.
 
 Per backbone it runs one training step of the unconverted model and of its default Mesa
-conversion on the same random batch (``--size`` square, ``--batch`` images) and prints what
-``tools/benchmark_zoo.py`` prints (``mmseg_mesa.bench.sweep``): the outcome, whether the
-forward is bit-identical, saved bytes against the baseline's, the share left uncompressed and
-the modules holding it, the whole-gradient error against the minibatch noise, the worst cosine;
-and the calls the conversion's generic path left to torch in that step (the JSON row lists
-them all, the table the two most frequent).
+conversion (calibrated first on another batch, as a run's first iteration calibrates:
+``MesaConfig.calibrate``; ``--no-calibrate`` the rules alone) on the same random batch
+(``--size`` square, ``--batch`` images) and prints what ``tools/benchmark_zoo.py`` prints
+(``mmseg_mesa.bench.sweep``): the outcome, whether the forward is bit-identical, saved bytes
+against the baseline's, the share left uncompressed and the modules holding it, the
+whole-gradient error against the minibatch noise, the worst cosine; and the calls the
+conversion's generic path left to torch in that step (the JSON row lists them all, the table
+the two most frequent; the row's ``calibration``, what the calibration refined and its cost).
 
 mmpretrain backbones that cannot feed UPerNet are listed with the reason (``SKIPPED``). Each
 backbone runs in a process of its own (``--one``), so one that fails ends only its row. A slow
@@ -212,7 +215,7 @@ def backbone_upernet(name: str, size: int, batch: int) -> Any:
     return upernet_config(backbone_config(name), size, batch)
 
 
-def run_one(name: str, size: int, batch: int, timeout: float, calibrate: bool = False) -> dict:
+def run_one(name: str, size: int, batch: int, timeout: float, calibrate: Any = None) -> dict:
     """``measure`` of UPerNet around the backbone, in a process of its own."""
     size = SIZES.get(name, size)
     row: dict = dict(backbone=name, arch=arch(name), size=size)
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.one:
         sys.exit(sweep.one(lambda: backbone_upernet(args.one, args.size, args.batch), args.size,
-                           args.batch, args.json, args.calibrate))
+                           args.batch, args.json, sweep.calibration_setting(args)))
     known = names()
     # any timm model runs through the same path (``timm_arguments``), named or not
     known += [n for n in args.backbones or [] if n.startswith('timm/') and n not in known]
@@ -254,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
                for n in (args.backbones or SKIPPED) if n in SKIPPED]
     rows = sweep.run_rows(chosen, skipped,
                           lambda name: run_one(name, args.size, args.batch, args.timeout,
-                                               args.calibrate),
+                                               sweep.calibration_setting(args)),
                           format_row, HEADER, args.jobs)
     order = {n: i for i, n in enumerate([*known, *SKIPPED])}
     rows.sort(key=lambda r: order[r['backbone']])

@@ -2,11 +2,14 @@
 
     python tools/benchmark_zoo.py [--size 128] [--batch 2] [--families fcn swin ...]
         [--jobs 1] [--timeout 900] [--json work_dirs/benchmarks/zoo.json] [--markdown PATH]
+        [--no-calibrate | --calibrate-error 0.02 --calibrate-cosine 0.99]
 
 For each family's representative config (``CONFIGS``: the family's standard ADE20K model where
 it has one, else its Cityscapes one; random weights, SyncBN reverted, as a user's first step
 would build it) it runs one training step of the unconverted model and of its default Mesa
-conversion on the same random batch (``--size`` square, ``--batch`` images) and prints:
+conversion (calibrated first on another batch, as a run's first iteration calibrates:
+``MesaConfig.calibrate``; ``--no-calibrate`` the rules alone) on the same random batch
+(``--size`` square, ``--batch`` images) and prints:
 
 - the outcome: ``ok``, or the stage that failed and its error;
 - whether every loss of the converted forward is bit-identical to the unconverted one's;
@@ -117,7 +120,7 @@ def zoo_config(path: str, size: int) -> Any:
     return cfg
 
 
-def run_one(family: str, size: int, batch: int, timeout: float, calibrate: bool = False
+def run_one(family: str, size: int, batch: int, timeout: float, calibrate: Any = None
             ) -> dict:
     """``measure`` of the family's config in a process of its own."""
     path = osp.join(configs_root(), family, CONFIGS[family])
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.one:
         sys.exit(sweep.one(lambda: zoo_config(args.one, args.size), args.size, args.batch,
-                           args.json, args.calibrate))
+                           args.json, sweep.calibration_setting(args)))
     found = families()
     unknown = sorted(set(args.families or []) - set(found))
     if unknown:
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
                for f in (args.families or found) if f in SKIPPED]
     rows = sweep.run_rows(chosen, skipped,
                           lambda family: run_one(family, args.size, args.batch, args.timeout,
-                                                 args.calibrate),
+                                                 sweep.calibration_setting(args)),
                           format_row, HEADER, args.jobs)
     rows.sort(key=lambda r: r['family'])
     return sweep.write_results(rows, args, format_row, HEADER)

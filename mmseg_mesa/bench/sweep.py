@@ -51,12 +51,13 @@ def same_losses(a: dict, b: dict) -> bool:
                                                     zip(flat(a[k]), flat(b[k]))) for k in a)
 
 
-def measure(cfg: Any, size: int, batch_size: int, result: dict, calibrated: bool = False
+def measure(cfg: Any, size: int, batch_size: int, result: dict, calibrated: Any = None
             ) -> dict:
     """The baseline and the default Mesa conversion of ``cfg``'s model on one batch of
     ``batch_size`` random ``size`` x ``size`` images, filling ``result`` (its ``stage`` says how
-    far it got, so a failure names the step that raised); ``calibrated``: calibrated first
-    (``MesaConfig.calibrate``) as a run is."""
+    far it got, so a failure names the step that raised); ``calibrated``: the
+    ``MesaConfig.calibrate`` setting (None: the default, calibrated first as a run is; True or
+    a dict of bounds; False: the rules alone)."""
     from mmseg_mesa import MesaConfig, convert_to_mesa
     from mmseg_mesa.bench.calibration import report_row
     from mmseg_mesa.bench.coverage import module_types, split_saved, training_forward
@@ -77,7 +78,7 @@ def measure(cfg: Any, size: int, batch_size: int, result: dict, calibrated: bool
     reference.train()
     exact_losses, exact = losses_and_gradients(reference, data)
     result['stage'] = 'conversion'
-    config = MesaConfig(calibrate=calibrated)
+    config = MesaConfig() if calibrated is None else MesaConfig(calibrate=calibrated)
     report = convert_to_mesa(model, config=config)
     model.train()
     if config.calibrate is not None:
@@ -123,7 +124,7 @@ def dispatch_row(reference: torch.nn.Module, model: torch.nn.Module, data: tuple
 
 
 def one(make_config: Callable[[], Any], size: int, batch: int, json_path: str,
-        calibrate: bool = False) -> int:
+        calibrate: Any = None) -> int:
     """A tool's ``--one``: build the config and ``measure`` it, writing the row (with its
     ``outcome``: ``ok`` or the stage that failed and its error) to ``json_path``; the exit
     status is 1 on failure."""
@@ -145,7 +146,7 @@ def one(make_config: Callable[[], Any], size: int, batch: int, json_path: str,
 
 
 def run_one(script: str, key: str, size: int, batch: int, timeout: float, row: dict,
-            calibrate: bool = False) -> dict:
+            calibrate: Any = None) -> dict:
     """``python SCRIPT --one KEY`` in a process of its own (one thread unless
     ``OMP_NUM_THREADS`` says otherwise): ``row`` with the measured fields and ``seconds``, or
     with an ``outcome`` saying how the process ended."""
@@ -153,8 +154,8 @@ def run_one(script: str, key: str, size: int, batch: int, timeout: float, row: d
         out = osp.join(tmp, 'result.json')
         # faulthandler: a process that crashes in native code still names the Python frame
         command = [sys.executable, '-X', 'faulthandler', osp.abspath(script), '--one', key,
-                   '--size', str(size), '--batch', str(batch), '--json', out] + (
-                       ['--calibrate'] if calibrate else [])
+                   '--size', str(size), '--batch', str(batch), '--json', out,
+                   *calibration_flags(calibrate)]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '1'))
         start = time.perf_counter()
         try:
@@ -223,9 +224,34 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, things: str) -> None:
     parser.add_argument('--timeout', type=float, default=900, help=f'seconds per {things[:-1]}')
     parser.add_argument('--json', default=None, help='write the rows as JSON here')
     parser.add_argument('--markdown', default=None, help='write the table as Markdown here')
-    parser.add_argument('--calibrate', action='store_true',
-                        help='calibrate each model first, as mesa=dict(calibrate=True) does')
+    parser.add_argument('--no-calibrate', action='store_true',
+                        help='the rules alone, as mesa=dict(calibrate=False) (by default each '
+                             'model is calibrated first, as a run is)')
+    parser.add_argument('--calibrate-error', type=float, default=None,
+                        help='calibrate with this whole-gradient error bound')
+    parser.add_argument('--calibrate-cosine', type=float, default=None,
+                        help='calibrate with this worst-cosine bound')
     parser.add_argument('--one', default=None, help=argparse.SUPPRESS)
+
+
+def calibration_setting(args: argparse.Namespace) -> Any:
+    """The ``MesaConfig.calibrate`` setting the sweep options ask for: None (the default),
+    False (the rules alone) or a dict of the bounds given."""
+    if args.no_calibrate:
+        return False
+    bounds = {k: v for k, v in (('error', args.calibrate_error),
+                                ('cosine', args.calibrate_cosine)) if v is not None}
+    return bounds or None
+
+
+def calibration_flags(setting: Any) -> list[str]:
+    """The options that give a ``--one`` process ``setting`` (``calibration_setting``'s)."""
+    if setting is None or setting is True:
+        return []
+    if setting is False:
+        return ['--no-calibrate']
+    return [flag for key, value in setting.items()
+            for flag in (f'--calibrate-{key}', repr(value))]
 
 
 def run_rows(chosen: Sequence[str], skipped: list[dict], measure_one: Callable[[str], dict],
