@@ -207,3 +207,45 @@ def test_roles_and_first_images():
     first = first_images(dict(inputs=images, data_samples=['a', 'b', 'c', 'd']), 2)
     assert first['data_samples'] == ['a', 'b'] and first['inputs'] == images[:2]
     assert torch.equal(first_images(torch.stack(images), 3), torch.stack(images[:3]))
+
+
+
+class Twins(nn.Module):
+    """One Linear read by two GELUs of one input: their codes round alike (GELU rounds to
+    nearest), so their errors in the Linear's gradient add in line, not in quadrature as those
+    of independent draws would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.acts = nn.ModuleList(nn.GELU() for _ in range(2))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.first(x)
+        return self.head(self.acts[0](y) + self.acts[1](y))
+
+
+def twins() -> nn.Module:
+    torch.manual_seed(0)
+    model = Twins()
+    # the GELUs alone are converted: each half of the search is one of them
+    convert_to_mesa(model, config=MesaConfig(batchnorm_refine_below=0, skip=('first', 'head')),
+                    module_filter_fn=lambda m, n: True)
+    return model.train()
+
+
+def test_a_union_that_errs_in_line_is_measured_not_predicted():
+    """Halves whose squared errors sum within the bound, whose union exceeds it: the union is
+    measured and both are refined."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+    model = twins()
+    whole = calibrate(model, step_of(model, x), Calibration(error=1.0, cosine=0.01)).before[0]
+    bound = 0.85 * whole  # above the halves' sum in quadrature, whole / sqrt(2)
+    model = twins()
+    report = calibrate(model, step_of(model, x), Calibration(error=bound, cosine=0.01))
+    assert report.candidates == 2
+    assert refined_layers(model) == ['acts.0.quant_input', 'acts.1.quant_input']
+    assert report.before[0] > bound >= report.after[0]
+    alone = [c.error for c in report.refined]  # each measured alone: about half the whole
+    assert all(e * e * 2 < bound * bound for e in alone)
