@@ -134,11 +134,27 @@ inline GroupLayout check_observe_quantize_args(const char* op, const at::Tensor&
                                                const std::optional<at::Tensor>& rstd,
                                                int64_t group_dim, int64_t group_size,
                                                double decay, int64_t bits, bool pack,
-                                               c10::DeviceType device) {
+                                               bool rows, c10::DeviceType device) {
   const GroupLayout layout =
       check_observe_args(op, x, lower, span, seen, group_dim, group_size, decay, device);
   check_code_width(op, bits, pack);
-  check_standardization(op, mean, rstd, x, layout);
+  if (!rows) {
+    check_standardization(op, mean, rstd, x, layout);
+    return layout;
+  }
+  // One mean and rstd per row of the (rows, channels * inner) view.
+  TORCH_CHECK(mean.has_value() && rstd.has_value(), op,
+              ": rows=True needs a mean and an rstd per row");
+  const int64_t row_len = layout.channels * layout.inner;
+  const int64_t rows_count = row_len > 0 ? layout.numel / row_len : 0;
+  for (const auto& [name, v] : {std::pair{"mean", &*mean}, std::pair{"rstd", &*rstd}}) {
+    check_contiguous(op, name, *v, device);
+    check_same_device(op, name, *v, x);
+    TORCH_CHECK(v->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ",
+                v->scalar_type());
+    TORCH_CHECK(v->dim() == 1 && v->numel() == rows_count, op, ": ", name,
+                " must have one value per row: shape (", rows_count, ",), got ", v->sizes());
+  }
   return layout;
 }
 

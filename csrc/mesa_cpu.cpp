@@ -398,13 +398,40 @@ void decode_span(const uint8_t* codes, int64_t count, const float* lower, const 
   decode_elements<scalar_t, kPerElement>(codes, count, lower, scale, out);
 }
 
+// The moments of a row-standardized pack: element i is coded as row_standardized(x[i],
+// mean[i / row_len], rstd[i / row_len]). No mean: x as it is.
+struct RowStats {
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  int64_t row_len = 1;
+};
+
+// row_standardized values of x[position, position + n) into out.
+template <typename scalar_t>
+void standardize_rows(const scalar_t* x, int64_t position, int64_t n, const RowStats& rows,
+                      float* __restrict out) {
+  int64_t row = position / rows.row_len;
+  int64_t j = 0;
+  while (j < n) {
+    const int64_t stop = std::min(n, (row + 1) * rows.row_len - position);
+    const float m = rows.mean[row];
+    const float r = rows.rstd[row];
+    for (; j < stop; ++j) {
+      out[j] = row_standardized(static_cast<float>(x[position + j]), m, r);
+    }
+    ++row;
+  }
+}
+
 // Codes one per byte (8-bit codes, or sub-byte ones left unpacked).
 template <typename scalar_t, bool kStochastic>
 void quantize_bytes(const scalar_t* x, const float* lower, const float* scale, uint8_t* out,
-                    const GroupLayout& layout, float levels, uint64_t seed, uint64_t offset) {
+                    const GroupLayout& layout, float levels, uint64_t seed, uint64_t offset,
+                    const RowStats& rows) {
   const GroupPattern pattern(layout, lower, scale);
   at::parallel_for(0, layout.numel, kGrainElements, [&](int64_t first, int64_t last) {
     float buffer[kTileBuffer];
+    float standardized[kTile];
     for_each_span(layout, pattern, lower, scale, first, last,
                   [&](int64_t position, int64_t count, const float* lo, const float* sc,
                       auto per_element) {
@@ -413,9 +440,16 @@ void quantize_bytes(const scalar_t* x, const float* lower, const float* scale, u
         const int64_t n = std::min(kTile, count - t);
         const float* noise =
             kStochastic ? tile_uniforms(seed, offset, position + t, n, buffer) : nullptr;
-        encode_span<scalar_t, kStochastic, kPer>(x + position + t, n, kPer ? lo + t : lo,
-                                                 kPer ? sc + t : sc, levels, noise,
-                                                 out + position + t);
+        if (rows.mean != nullptr) {
+          standardize_rows(x, position + t, n, rows, standardized);
+          encode_span<float, kStochastic, kPer>(standardized, n, kPer ? lo + t : lo,
+                                                kPer ? sc + t : sc, levels, noise,
+                                                out + position + t);
+        } else {
+          encode_span<scalar_t, kStochastic, kPer>(x + position + t, n, kPer ? lo + t : lo,
+                                                   kPer ? sc + t : sc, levels, noise,
+                                                   out + position + t);
+        }
       }
     });
   });
@@ -425,7 +459,7 @@ void quantize_bytes(const scalar_t* x, const float* lower, const float* scale, u
 template <typename scalar_t, bool kStochastic>
 void quantize_packed(const scalar_t* x, const float* lower, const float* scale, uint8_t* out,
                      const GroupLayout& layout, int bits, float levels, uint64_t seed,
-                     uint64_t offset) {
+                     uint64_t offset, const RowStats& rows) {
   const int64_t chunks = (layout.numel + kChunk - 1) / kChunk;
   at::parallel_for(0, chunks, kGrainElements / kChunk, [&](int64_t first, int64_t last) {
     GroupCursor cursor(layout, first * kChunk);
@@ -435,6 +469,9 @@ void quantize_packed(const scalar_t* x, const float* lower, const float* scale, 
       float values[kChunk];
       for (int j = 0; j < kChunk; ++j) {
         values[j] = j < count ? static_cast<float>(x[begin + j]) : 0.0f;
+      }
+      if (rows.mean != nullptr) {
+        standardize_rows(x, begin, count, rows, values);
       }
       uint8_t codes[kChunk];
       encode_chunk<kStochastic>(values, begin, count, cursor, layout, lower, scale, levels, seed,
@@ -449,12 +486,13 @@ void quantize_packed(const scalar_t* x, const float* lower, const float* scale, 
 template <typename scalar_t, bool kStochastic>
 void quantize_loop(const scalar_t* x, const float* lower, const float* scale, uint8_t* out,
                    const GroupLayout& layout, int bits, bool pack, float levels, uint64_t seed,
-                   uint64_t offset) {
+                   uint64_t offset, const RowStats& rows) {
   if (!pack || bits == 8) {
-    quantize_bytes<scalar_t, kStochastic>(x, lower, scale, out, layout, levels, seed, offset);
+    quantize_bytes<scalar_t, kStochastic>(x, lower, scale, out, layout, levels, seed, offset,
+                                          rows);
   } else {
     quantize_packed<scalar_t, kStochastic>(x, lower, scale, out, layout, bits, levels, seed,
-                                           offset);
+                                           offset, rows);
   }
 }
 
@@ -496,7 +534,7 @@ void dequantize_loop(const uint8_t* in, const float* lower, const float* scale, 
 // none (an empty tensor has none anywhere). Runs of one channel (inner elements each) are split
 // into one share per thread; the shares' per-channel ranges are merged per group.
 void batch_group_range(const at::Tensor& x, const GroupLayout& layout,
-                       float* group_lo, float* group_hi) {
+                       float* group_lo, float* group_hi, const RowStats& rows = {}) {
   std::fill(group_lo, group_lo + layout.groups, std::numeric_limits<float>::infinity());
   std::fill(group_hi, group_hi + layout.groups, -std::numeric_limits<float>::infinity());
   if (layout.numel == 0) {
@@ -510,6 +548,26 @@ void batch_group_range(const at::Tensor& x, const GroupLayout& layout,
   std::vector<float> hi(shares * channels, -std::numeric_limits<float>::infinity());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "observe", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
+    if (rows.mean != nullptr) {
+      // Row by row (channels * inner elements, one mean and rstd): standardized into a buffer,
+      // whose channel ranges merge as those of a tensor of one row would.
+      const int64_t row_len = rows.row_len;
+      const int64_t row_count = layout.numel / row_len;
+      GroupLayout one_row = layout;
+      one_row.numel = row_len;
+      at::parallel_for(0, shares, 1, [&](int64_t first, int64_t last) {
+        std::vector<float> buffer(row_len);
+        for (int64_t share = first; share < last; ++share) {
+          for (int64_t row = row_count * share / shares; row < row_count * (share + 1) / shares;
+               ++row) {
+            standardize_rows(data, row * row_len, row_len, rows, buffer.data());
+            channel_min_max(buffer.data(), one_row, 0, channels, lo.data() + share * channels,
+                            hi.data() + share * channels);
+          }
+        }
+      });
+      return;
+    }
     at::parallel_for(0, shares, 1, [&](int64_t first, int64_t last) {
       for (int64_t share = first; share < last; ++share) {
         channel_min_max(data, layout, runs * share / shares, runs * (share + 1) / shares,
@@ -557,7 +615,8 @@ class EmaUpdate {
 // quantize_loop for x's dtype and the rounding mode.
 void quantize_dispatch(const at::Tensor& x, const float* lower,
                        const float* scale, const at::Tensor& codes, const GroupLayout& layout,
-                       int64_t bits, bool stochastic, int64_t seed, int64_t offset, bool pack) {
+                       int64_t bits, bool stochastic, int64_t seed, int64_t offset, bool pack,
+                       const RowStats& rows = {}) {
   const float levels = static_cast<float>((1 << bits) - 1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize", [&] {
     const scalar_t* in = x.const_data_ptr<scalar_t>();
@@ -565,9 +624,11 @@ void quantize_dispatch(const at::Tensor& x, const float* lower,
     const int width = static_cast<int>(bits);
     if (stochastic) {
       quantize_loop<scalar_t, true>(in, lower, scale, out, layout, width, pack, levels,
-                                    static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+                                    static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
+                                    rows);
     } else {
-      quantize_loop<scalar_t, false>(in, lower, scale, out, layout, width, pack, levels, 0, 0);
+      quantize_loop<scalar_t, false>(in, lower, scale, out, layout, width, pack, levels, 0, 0,
+                                     rows);
     }
   });
 }
@@ -595,14 +656,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
     const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
     const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
     int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
-    int64_t seed, int64_t offset, bool pack) {
+    int64_t seed, int64_t offset, bool pack, bool rows) {
   constexpr const char* op = "mmseg_mesa::observe_quantize";
   const GroupLayout layout =
       check_observe_quantize_args(op, x, lower, span, seen, mean, rstd, group_dim, group_size,
-                                  decay, bits, pack, c10::DeviceType::CPU);
+                                  decay, bits, pack, rows, c10::DeviceType::CPU);
   const int64_t groups = layout.groups;
+  // Row-standardized: every value standardized as it is read, in both passes.
+  RowStats row_stats;
+  if (rows) {
+    row_stats = RowStats{mean->const_data_ptr<float>(), rstd->const_data_ptr<float>(),
+                         std::max<int64_t>(1, layout.channels * layout.inner)};
+  }
   std::vector<float> lo(groups), hi(groups);
-  batch_group_range(x, layout, lo.data(), hi.data());
+  batch_group_range(x, layout, lo.data(), hi.data(), row_stats);
   const at::Tensor used_lower = at::empty({groups}, lower.options());
   const at::Tensor used_scale = at::empty({groups}, lower.options());
   float* out_lower = used_lower.mutable_data_ptr<float>();
@@ -610,8 +677,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
   const float levels = static_cast<float>((1 << bits) - 1);
   // Standardized: the range is observed in (x - mean) * rstd, x is coded over that range mapped
   // back (quantizer.pack_standardized; rstd > 0 keeps the map monotone).
-  const float* m = mean.has_value() ? mean->const_data_ptr<float>() : nullptr;
-  const float* r = rstd.has_value() ? rstd->const_data_ptr<float>() : nullptr;
+  const float* m = mean.has_value() && !rows ? mean->const_data_ptr<float>() : nullptr;
+  const float* r = rstd.has_value() && !rows ? rstd->const_data_ptr<float>() : nullptr;
   std::vector<float> x_lower(m != nullptr ? groups : 0), x_scale(m != nullptr ? groups : 0);
   float* running_lower = lower.mutable_data_ptr<float>();
   float* running_span = span.mutable_data_ptr<float>();
@@ -634,7 +701,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
   if (layout.numel > 0) {
     quantize_dispatch(x, m != nullptr ? x_lower.data() : out_lower,
                       m != nullptr ? x_scale.data() : out_scale, codes, layout, bits, stochastic,
-                      seed, offset, pack);
+                      seed, offset, pack, row_stats);
   }
   return {codes, used_lower, used_scale};
 }

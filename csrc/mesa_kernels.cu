@@ -132,11 +132,14 @@ struct PackFinish {
 // column over a strided set of rows in registers; a warp then merges lanes of the same group
 // (consecutive columns, so groups are non-decreasing across lanes) and one lane per group
 // publishes the result atomically. The last block to finish (counted in `done`, after a fence)
-// hands every group's range to `finish`: one launch for the whole observe.
+// hands every group's range to `finish`: one launch for the whole observe. With `row_mean`
+// (a row-standardized pack) each value is standardized by its row's moments as it is read.
 template <typename scalar_t, typename Finish>
 __global__ void group_min_max_kernel(const scalar_t* __restrict__ x, int64_t rows,
                                      int64_t row_len, int64_t inner, int64_t group_size,
-                                     int64_t groups, uint32_t* __restrict__ min_keys,
+                                     int64_t groups, const float* __restrict__ row_mean,
+                                     const float* __restrict__ row_rstd,
+                                     uint32_t* __restrict__ min_keys,
                                      uint32_t* __restrict__ max_keys, uint32_t* done,
                                      Finish finish) {
   const int64_t col = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
@@ -149,7 +152,13 @@ __global__ void group_min_max_kernel(const scalar_t* __restrict__ x, int64_t row
     for (int64_t row = blockIdx.y * int64_t{blockDim.y} + threadIdx.y; row < rows;
          row += row_step) {
       const scalar_t v = x[row * row_len + col];
-      if (is_finite_bits(v)) {  // in the input's own dtype, as the reference tests it
+      if (row_mean != nullptr) {  // finiteness of the standardized fp32 value
+        const float f = row_standardized(static_cast<float>(v), row_mean[row], row_rstd[row]);
+        if (is_finite_bits(f)) {
+          lo = fminf(lo, f);
+          hi = fmaxf(hi, f);
+        }
+      } else if (is_finite_bits(v)) {  // in the input's own dtype, as the reference tests it
         const float f = static_cast<float>(v);
         lo = fminf(lo, f);
         hi = fmaxf(hi, f);
@@ -199,12 +208,15 @@ __global__ void group_min_max_kernel(const scalar_t* __restrict__ x, int64_t row
 
 // One thread per chunk of kChunk consecutive elements (grid-stride). The draws of stochastic
 // rounding are a function of the element's flat index, so they depend neither on the launch
-// configuration nor on alignment.
+// configuration nor on alignment. With `row_mean`, each value is standardized by the moments of
+// its row (row_len elements) before it is coded.
 template <typename scalar_t, bool kStochastic>
 __global__ void quantize_kernel(const scalar_t* __restrict__ x, const float* __restrict__ lower,
                                 const float* __restrict__ scale, uint8_t* __restrict__ out,
                                 GroupLayout layout, float levels, int bits, bool pack,
-                                bool aligned, uint64_t seed, uint64_t offset) {
+                                bool aligned, uint64_t seed, uint64_t offset,
+                                const float* __restrict__ row_mean,
+                                const float* __restrict__ row_rstd, int64_t row_len) {
   const int64_t chunks = (layout.numel + kChunk - 1) / kChunk;
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   for (int64_t chunk = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; chunk < chunks;
@@ -222,6 +234,12 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ x, const float* __r
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
         values[j] = j < count ? static_cast<float>(x[begin + j]) : 0.0f;
+      }
+    }
+    if (row_mean != nullptr) {
+      for (int j = 0; j < count; ++j) {
+        const int64_t row = (begin + j) / row_len;
+        values[j] = row_standardized(values[j], row_mean[row], row_rstd[row]);
       }
     }
     GroupCursor cursor(layout, begin);
@@ -382,7 +400,8 @@ __global__ void norm_terms_kernel(const float* __restrict__ rstd,
 // `finish` in its last block. Any layout with a group, empty tensors included.
 template <typename Finish>
 void launch_group_range(const char* op, const at::Tensor& x, const GroupLayout& layout,
-                        const Finish& finish) {
+                        const Finish& finish, const float* row_mean = nullptr,
+                        const float* row_rstd = nullptr) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // The min keys, the max keys and the blocks-done counter.
   const at::Tensor keys = at::empty({2 * layout.groups + 1}, x.options().dtype(at::kInt));
@@ -406,7 +425,7 @@ void launch_group_range(const char* op, const at::Tensor& x, const GroupLayout& 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "group_min_max", [&] {
     group_min_max_kernel<scalar_t, Finish><<<grid, block, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), rows, row_len, layout.inner, layout.group_size,
-        layout.groups, min_keys, max_keys, done, finish);
+        layout.groups, row_mean, row_rstd, min_keys, max_keys, done, finish);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -414,7 +433,9 @@ void launch_group_range(const char* op, const at::Tensor& x, const GroupLayout& 
 // quantize_kernel over x into `codes`, shaped by quantized_shape.
 void launch_quantize(const at::Tensor& x, const float* lower, const float* scale,
                      at::Tensor& codes, const GroupLayout& layout, int64_t bits,
-                     bool stochastic, int64_t seed, int64_t offset, bool pack) {
+                     bool stochastic, int64_t seed, int64_t offset, bool pack,
+                     const float* row_mean = nullptr, const float* row_rstd = nullptr) {
+  const int64_t row_len = std::max<int64_t>(1, layout.channels * layout.inner);
   const float levels = static_cast<float>((1 << bits) - 1);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const auto blocks =
@@ -427,10 +448,12 @@ void launch_quantize(const at::Tensor& x, const float* lower, const float* scale
     if (stochastic) {
       quantize_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
           in, lower, scale, out, layout, levels, width, pack, aligned,
-          static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+          static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), row_mean, row_rstd,
+          row_len);
     } else {
       quantize_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
-          in, lower, scale, out, layout, levels, width, pack, aligned, 0, 0);
+          in, lower, scale, out, layout, levels, width, pack, aligned, 0, 0, row_mean, row_rstd,
+          row_len);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -482,11 +505,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
     const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
     const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
     int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
-    int64_t seed, int64_t offset, bool pack) {
+    int64_t seed, int64_t offset, bool pack, bool rows) {
   constexpr const char* op = "mmseg_mesa::observe_quantize";
   const GroupLayout layout =
       check_observe_quantize_args(op, x, lower, span, seen, mean, rstd, group_dim, group_size,
-                                  decay, bits, pack, c10::DeviceType::CUDA);
+                                  decay, bits, pack, rows, c10::DeviceType::CUDA);
+  // Row-standardized: both kernels standardize each value as they read it, and the per-group
+  // affine is the plain one (no per-group moments).
+  const float* row_mean = rows ? mean->const_data_ptr<float>() : nullptr;
+  const float* row_rstd = rows ? rstd->const_data_ptr<float>() : nullptr;
+  const bool standardized = mean.has_value() && !rows;
   const c10::cuda::CUDAGuard guard(x.device());
   // The lower and scale returned with the codes, each its own tensor as on CPU (the saved codes
   // keep them; a view of one buffer would keep all of it), and where standardized the lower and
@@ -495,27 +523,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
   const at::Tensor used_lower = at::empty({groups}, lower.options());
   const at::Tensor used_scale = at::empty({groups}, lower.options());
   const at::Tensor x_affine =
-      mean.has_value() ? at::empty({2, groups}, lower.options()) : at::Tensor();
+      standardized ? at::empty({2, groups}, lower.options()) : at::Tensor();
   at::Tensor codes = at::empty(quantized_shape(x, bits, pack), x.options().dtype(at::kByte));
-  float* coding_lower = mean.has_value() ? x_affine.mutable_data_ptr<float>()
-                                         : used_lower.mutable_data_ptr<float>();
-  float* coding_scale = mean.has_value() ? coding_lower + groups
-                                         : used_scale.mutable_data_ptr<float>();
+  float* coding_lower = standardized ? x_affine.mutable_data_ptr<float>()
+                                     : used_lower.mutable_data_ptr<float>();
+  float* coding_scale = standardized ? coding_lower + groups
+                                     : used_scale.mutable_data_ptr<float>();
   if (groups > 0) {
     // Python computes `decay * t` and `(1.0 - decay) * t` with the double scalars cast to fp32.
     const PackFinish finish{lower.mutable_data_ptr<float>(), span.mutable_data_ptr<float>(),
                             seen.mutable_data_ptr<bool>(),
-                            mean.has_value() ? mean->const_data_ptr<float>() : nullptr,
-                            rstd.has_value() ? rstd->const_data_ptr<float>() : nullptr,
+                            standardized ? mean->const_data_ptr<float>() : nullptr,
+                            standardized ? rstd->const_data_ptr<float>() : nullptr,
                             static_cast<float>(decay), static_cast<float>(1.0 - decay),
                             static_cast<float>((1 << bits) - 1),
                             used_lower.mutable_data_ptr<float>(),
                             used_scale.mutable_data_ptr<float>(), coding_lower, coding_scale};
-    launch_group_range(op, x, layout, finish);
+    launch_group_range(op, x, layout, finish, row_mean, row_rstd);
   }
   if (layout.numel > 0) {
     launch_quantize(x, coding_lower, coding_scale, codes, layout, bits, stochastic, seed, offset,
-                    pack);
+                    pack, row_mean, row_rstd);
   }
   return {codes, used_lower, used_scale};
 }

@@ -187,6 +187,12 @@ MESA_HD void ema_group_update(float lo, float hi, float decay, float keep_new, f
   cover_span = sub_rn(upper > hi ? upper : hi, low);
 }
 
+// A value standardized by its row's moments as it is read (a row-standardized pack:
+// quantizer.pack_rows_standardized): (v - mean) * rstd, two roundings.
+MESA_HD float row_standardized(float v, float mean, float rstd) {
+  return mul_rn(sub_rn(v, mean), rstd);
+}
+
 // The quantization step of a group whose range is `span`: span / levels, or 1 where the span
 // is not positive (a constant or empty group) or NaN, as quantizer.scale_from_span.
 MESA_HD float scale_of_span(float span, float levels) {

@@ -20,7 +20,10 @@
 // observe_quantize: observe, then quantize over the range it returns, in one call; returns the
 // codes and the lower and scale that decode them. With mean and rstd (one per group) the range
 // is observed in (x - mean) * rstd, and the codes and their lower / scale are those of that
-// standardized tensor (quantizer.pack_standardized). On CUDA: a memset and two kernels.
+// standardized tensor (quantizer.pack_standardized). With `rows`, mean and rstd hold one value
+// per row of the (rows, channels * inner) view instead (a LayerNorm's moments per token): each
+// value is standardized as it is read, and the codes and their lower / scale are those of the
+// standardized tensor (quantizer.pack_rows_standardized). On CUDA: a memset and two kernels.
 // refine: the fine codes of x's 8-bit codes (what they miss, over one coarse step either way of
 // each group, to nearest) and their lower and scale (quantizer.refine); with mean and rstd, of
 // the standardized (x - mean) * rstd. dequantize_refined: both codes decoded and added in fp32.

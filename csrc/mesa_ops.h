@@ -23,7 +23,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cpu(
     const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
     const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
     int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
-    int64_t seed, int64_t offset, bool pack);
+    int64_t seed, int64_t offset, bool pack, bool rows);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> refine_cpu(
     const at::Tensor& x, const at::Tensor& codes, const at::Tensor& lower,
     const at::Tensor& scale, const std::optional<at::Tensor>& mean,
@@ -59,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> observe_quantize_cuda(
     const at::Tensor& x, const at::Tensor& lower, const at::Tensor& span, const at::Tensor& seen,
     const std::optional<at::Tensor>& mean, const std::optional<at::Tensor>& rstd,
     int64_t group_dim, int64_t group_size, double decay, int64_t bits, bool stochastic,
-    int64_t seed, int64_t offset, bool pack);
+    int64_t seed, int64_t offset, bool pack, bool rows);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> refine_cuda(
     const at::Tensor& x, const at::Tensor& codes, const at::Tensor& lower,
     const at::Tensor& scale, const std::optional<at::Tensor>& mean,
@@ -91,7 +91,8 @@ inline constexpr const char* kDequantize =
 inline constexpr const char* kObserveQuantize =
     "observe_quantize(Tensor x, Tensor(a!) lower, Tensor(b!) span, Tensor(c!) seen, "
     "Tensor? mean, Tensor? rstd, int group_dim, int group_size, float decay, int bits, "
-    "bool stochastic, int seed, int offset, bool pack) -> (Tensor, Tensor, Tensor)";
+    "bool stochastic, int seed, int offset, bool pack, bool rows=False) "
+    "-> (Tensor, Tensor, Tensor)";
 inline constexpr const char* kRefine =
     "refine(Tensor x, Tensor codes, Tensor lower, Tensor scale, Tensor? mean, Tensor? rstd, "
     "int group_dim, int group_size) -> (Tensor, Tensor, Tensor)";

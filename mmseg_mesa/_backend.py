@@ -68,10 +68,12 @@ class QuantBackend(Protocol):
                          seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
                          bits: int, stochastic: bool, pack: bool = False,
                          counter: tuple[int, int] | None = None,
-                         mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
+                         mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                         rows: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``observe`` then ``quantize`` over its range: ``(codes, lower, scale)``; with
-        ``mean`` and ``rstd``, those of ``(x - mean) * rstd`` without building it
+        ``mean`` and ``rstd``, those of ``(x - mean) * rstd`` without building it, one of each
+        per group, or per row of the ``(rows, channels * inner)`` view with ``rows``
         (``reference.observe_then_quantize``)."""
         ...
 

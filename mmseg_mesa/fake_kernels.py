@@ -71,7 +71,7 @@ def dequantize(codes: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor, bi
 def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
                      seen: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor | None,
                      group_dim: int, group_size: int, decay: float, bits: int,
-                     stochastic: bool, seed: int, offset: int, pack: bool
+                     stochastic: bool, seed: int, offset: int, pack: bool, rows: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups = _groups(x.shape, group_dim, group_size)
     return _codes(x, bits, pack), lower.new_empty((groups,)), lower.new_empty((groups,))

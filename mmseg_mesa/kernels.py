@@ -50,14 +50,16 @@ def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
                      seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
                      bits: int, stochastic: bool, pack: bool = False,
                      counter: tuple[int, int] | None = None, mean: torch.Tensor | None = None,
-                     rstd: torch.Tensor | None = None
+                     rstd: torch.Tensor | None = None, rows: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``observe``, then ``quantize`` over the range it returns: ``(codes, lower, scale)``, the
     codes and the per-group affine that decodes them (``ActivationQuantizer.pack``).
 
     With ``mean`` and ``rstd`` (fp32, one per group, ``rstd > 0``) the range is observed in
     ``(x - mean) * rstd``, and the codes and affine are those of that standardized tensor
-    (``ActivationQuantizer.pack_standardized``).
+    (``ActivationQuantizer.pack_standardized``). With ``rows``, ``mean`` and ``rstd`` hold one
+    value per row of the ``(rows, channels * inner)`` view instead (a LayerNorm's moments per
+    token), and each value is standardized as it is read (``pack_rows_standardized``).
     One op, where ``observe_then_quantize`` runs observe, four small torch ops for the scale
     and quantize: on CPU their per-call cost is most of what a small layer pays for Mesa, on
     CUDA each is a kernel launch (here a memset and two kernels).
@@ -67,7 +69,7 @@ def observe_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,
         device = 'cpu' if x.is_cpu else x.device
         seed, offset = counter if counter is not None else rounding_counter(device, x.numel())
     return _ops.observe_quantize(x, lower, span, seen, mean, rstd, group_dim, group_size, decay,
-                                 bits, stochastic, _int64(seed), _int64(offset), pack)
+                                 bits, stochastic, _int64(seed), _int64(offset), pack, rows)
 
 
 def observe_then_quantize(x: torch.Tensor, lower: torch.Tensor, span: torch.Tensor,

@@ -244,16 +244,38 @@ class ActivationQuantizer(nn.Module):
                                            self.seen, group_dim, spec.group_size,
                                            spec.ema_decay)
 
-    def pack(self, x: torch.Tensor, refined: bool = False) -> Packed | Refined:
+    def pack(self, x: torch.Tensor, refined: bool = False,
+             row_moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> Packed | Refined:
         """Observe ``x`` (training step) and quantize it over the resulting range (refined to
-        about 16 bits where the spec says ``REFINED_BITS`` or the caller asks)."""
+        about 16 bits where the spec says ``REFINED_BITS`` or the caller asks).
+
+        With ``row_moments = (mean, rstd)``, one of each per row of the last dim (a LayerNorm's
+        moments per token, fp32), the packed tensor is ``(x - mean) * rstd`` (fp32): where the
+        groups run along the last dim and the codes are not refined, the kernels standardize
+        each value as they read it (``rows``), so that the normalized tensor is never built and
+        a LayerNorm runs its norm once; otherwise it is built and packed.
+        """
         refined = refined or self.keep_refined
         spec = self.spec
         backend = self.backend_for(x)
         group_dim = spec.group_dim % x.dim()
+        if row_moments is not None:
+            mean, rstd = (m.detach().reshape(-1).float().contiguous() for m in row_moments)
+            if (refined or spec.bits == REFINED_BITS or group_dim != x.dim() - 1
+                    or mean.numel() * x.shape[-1] != x.numel()):
+                x = (x.detach() - row_moments[0]).mul_(row_moments[1])
+                row_moments = None
         self._ensure_groups(spec.num_groups(x.shape[group_dim]), x)
         buffers = self._buffers  # not Module.__getattr__: every pack asks
         bits = coded_bits(spec)
+        if row_moments is not None:
+            x = x.detach().contiguous()  # its rows are the moments' rows
+            data, lower, scale = backend.observe_quantize(
+                x, buffers['lower'], buffers['span'], buffers['seen'], group_dim,
+                spec.group_size, spec.ema_decay, bits, spec.stochastic, pack=True, mean=mean,
+                rstd=rstd, rows=True)
+            return Packed(data, lower, scale, x.shape, torch.promote_types(x.dtype, torch.float32),
+                          bits, group_dim, spec.group_size, spec.backend, None)
         stored, order = in_memory_order(x.detach())
         data, lower, scale = backend.observe_quantize(
             stored, buffers['lower'], buffers['span'], buffers['seen'],

@@ -20,6 +20,7 @@ draws do not depend on how a tensor is split into pieces here or into threads in
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -375,10 +376,15 @@ def observe_then_quantize(observe: Callable[..., torch.Tensor],
                           group_dim: int, group_size: int, decay: float, bits: int,
                           stochastic: bool, pack: bool = False,
                           counter: tuple[int, int] | None = None,
-                          mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
+                          mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                          rows: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``observe_quantize`` of a backend as its ``observe`` and ``quantize`` in turn: ``(codes,
     lower, scale)``, the codes and the per-group affine that decodes them.
+
+    With ``rows``, ``mean`` and ``rstd`` hold one value per row of the ``(rows, channels *
+    inner)`` view around ``group_dim`` (fp32), and the codes are those of the fp32 tensor
+    ``(x - mean) * rstd`` (each operation rounded once), observed and quantized as any tensor.
 
     With ``mean`` and ``rstd`` (fp32, one per group, ``rstd > 0``) the range is observed in
     ``(x - mean) * rstd`` and ``x`` is quantized over that range mapped back: a per-group affine
@@ -386,6 +392,17 @@ def observe_then_quantize(observe: Callable[..., torch.Tensor],
     without building it. That range comes from ``group_min_max`` of ``x`` mapped through the
     affine (no kernel but the fused CPU one observes standardized values).
     """
+    if rows:
+        if mean is None or rstd is None:
+            raise ValueError('observe_quantize: rows=True needs a mean and an rstd per row')
+        row_len = math.prod(x.shape[group_dim % x.dim():]) if x.dim() else 1
+        count = x.numel() // row_len if row_len else 0
+        if mean.numel() != count or rstd.numel() != count:
+            raise ValueError(f'observe_quantize: rows=True needs one mean and rstd per row '
+                             f'({count}), got {mean.numel()} and {rstd.numel()}')
+        row_view = x.reshape(count, row_len).float()
+        x = ((row_view - mean.view(-1, 1)) * rstd.view(-1, 1)).view(x.shape)
+        mean = rstd = None
     if mean is None and rstd is None:
         cover = observe(x, lower, span, seen, group_dim, group_size, decay)
         # lower gets its own storage: the saved codes should not pin the span row too
@@ -456,11 +473,12 @@ class Reference:
                          seen: torch.Tensor, group_dim: int, group_size: int, decay: float,
                          bits: int, stochastic: bool, pack: bool = False,
                          counter: tuple[int, int] | None = None,
-                         mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
+                         mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                         rows: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return observe_then_quantize(self.observe, self.quantize, x, lower, span, seen,
                                      group_dim, group_size, decay, bits, stochastic, pack,
-                                     counter, mean, rstd)
+                                     counter, mean, rstd, rows)
 
     refine = staticmethod(refine_reference)
     dequantize_refined = staticmethod(dequantize_refined_reference)

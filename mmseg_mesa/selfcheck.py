@@ -15,6 +15,7 @@ updates are its own.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -169,16 +170,20 @@ def _dequantize(backend: QuantBackend, device: torch.device) -> Iterator[_Case]:
 def _observe_quantize(backend: QuantBackend, device: torch.device) -> Iterator[_Case]:
     for label, x, dim, size, lower, _ in _layouts(device):
         groups = lower.numel()
+        rows = x.numel() // math.prod(x.shape[dim:]) if x.numel() else 0
         standardized = (torch.linspace(-1, 1, groups, device=device),
-                        torch.linspace(0.5, 2, groups, device=device))
+                        torch.linspace(0.5, 2, groups, device=device), False)
+        by_rows = (torch.linspace(-1, 1, rows, device=device),
+                   torch.linspace(0.5, 2, rows, device=device), True)
         # each width with one rounding (``quantize`` has both): what this adds is observing
-        # and coding in one call, and the standardized range
+        # and coding in one call, and the ranges standardized per group and per row
         for (bits, pack), stochastic in zip(CODES, (False, True) * len(CODES)):
-            for mean, rstd in ((None, None), standardized):
-                args = (dim, size, DECAY, bits, stochastic, pack, COUNTER, mean, rstd)
+            for mean, rstd, by_row in ((None, None, False), standardized, by_rows):
+                args = (dim, size, DECAY, bits, stochastic, pack, COUNTER, mean, rstd, by_row)
+                kind = 'rows' if by_row else 'groups' if mean is not None else 'none'
                 yield _Case(
                     f'{label} bits={bits} pack={pack} stochastic={stochastic} '
-                    f'standardized={mean is not None}',
+                    f'standardized={kind}',
                     partial(_observed, backend.observe_quantize, x, _estimates(groups, device),
                             *args),
                     partial(_observed, REFERENCE.observe_quantize, x,

@@ -186,21 +186,23 @@ PACKS = [(8, True, False), (8, False, False), (4, True, True), (2, False, True),
          (1, True, True)]  # bits, stochastic, pack
 
 
-@pytest.mark.parametrize('standardized', [False, True])
+@pytest.mark.parametrize('standardized', [None, 'groups', 'rows'])
 @pytest.mark.parametrize('machine', MACHINES[::2], ids=lambda m: f'{m[0]}sm-{m[1]}w')
 @pytest.mark.parametrize('shape, group_dim, group_size', LAYOUTS[:8] + LAYOUTS[-2:])
 def test_emulated_observe_quantize_matches_cpu(emu, cpu, shape, group_dim, group_size, machine,
                                                 standardized):
     """A pack in one op (memset, range + EMA + affines, quantize): codes, affine and estimates
-    equal the CPU op's, standardized (``pack_standardized``) or not."""
+    equal the CPU op's, plain, standardized per group (``pack_standardized``) or per row of the
+    (rows, channels * inner) view (``pack(row_moments=...)``)."""
     emu.configure(*machine)
     dim = group_dim % len(shape)
     groups = -(-shape[dim] // group_size)
     generator = torch.Generator().manual_seed(groups)
     mean = rstd = None
+    moments = {None: 0, 'groups': groups, 'rows': math.prod(shape[:dim])}[standardized]
     if standardized:
-        mean = torch.randn(groups, generator=generator)
-        rstd = torch.rand(groups, generator=generator) * 3 + 0.01
+        mean = torch.randn(moments, generator=generator)
+        rstd = torch.rand(moments, generator=generator) * 3 + 0.01
     large = math.prod(shape) > 20000
     for dtype in (DTYPES[:1 + 3 * (not large)] if machine == MACHINES[0] else DTYPES[:1]):
         for bits, stochastic, pack in PACKS[:2 + 3 * (not large)]:
@@ -210,7 +212,7 @@ def test_emulated_observe_quantize_matches_cpu(emu, cpu, shape, group_dim, group
                 if step == 0 and groups > 1:
                     x.narrow(dim, 0, min(group_size, shape[dim])).fill_(float('nan'))
                 args = (mean, rstd, dim, group_size, 0.9, bits, stochastic, _int64(2 ** 64 - 3),
-                        1000 * step, pack)
+                        1000 * step, pack, standardized == 'rows')
                 got = emu.observe_quantize(x, *states['emu'], *args)
                 want = cpu.observe_quantize(x, *states['cpu'], *args)
                 # laid out as the CPU op's (and the fake kernel's): three tensors of their own

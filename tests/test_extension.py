@@ -392,6 +392,57 @@ def test_fused_standardized_pack_matches_the_torch_path(dtype, stochastic, devic
                                getattr(quantizers['torch'], name))
 
 
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('stochastic', [False, True])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize('shape, group_size, bits', [((4, 9, 37), 1, 8), ((3, 5, 96), 8, 8),
+                                                      ((70, 1030), 3, 8), ((5, 33), 4, 4)])
+def test_row_standardized_pack_matches_the_torch_path(shape, group_size, bits, dtype, stochastic,
+                                                      device):
+    """``pack(x, row_moments=(mean, rstd))`` through the kernels (each value standardized by its
+    token's moments as it is read, in both passes) == the torch path, which builds the fp32
+    ``(x - mean) * rstd`` and packs it: codes, affine and estimates, over steps with non-finite
+    values, at one and two threads (the largest shape splits the rows between them)."""
+    quantizers = {name: ActivationQuantizer(QuantSpec(bits=bits, group_dim=-1,
+                                                      group_size=group_size,
+                                                      stochastic=stochastic,
+                                                      backend=name)).to(device)
+                  for name in ('auto', 'torch')}
+    threads = torch.get_num_threads()
+    try:
+        for step in range(3):
+            torch.set_num_threads(1 + step % 2)
+            x = sample(shape, dtype, device, offset=step, nonfinite=step == 2)
+            finite = torch.where(x.isfinite(), x, 0).float()
+            mean = finite.mean(-1, keepdim=True)
+            rstd = torch.rsqrt(finite.var(-1, correction=0, keepdim=True) + 1e-5)
+            packed = {}
+            for name, q in quantizers.items():
+                reset_rounding_generators()
+                packed[name] = q.pack(x, row_moments=(mean, rstd))
+            assert packed['auto'].dtype == torch.promote_types(dtype, torch.float32)
+            for got, want in zip(packed['auto'].tensors(), packed['torch'].tensors()):
+                assert torch.equal(got, want), step
+            for name in ('lower', 'span', 'seen'):
+                assert torch.equal(getattr(quantizers['auto'], name),
+                                   getattr(quantizers['torch'], name))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@requires_build
+def test_row_standardized_pack_refuses_moments_of_another_shape():
+    """The op names what is wrong: rows=True without moments, or not one per row."""
+    x = torch.randn(6, 16)
+    lower, span, seen = torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.bool)
+    op = torch.ops.mmseg_mesa.observe_quantize
+    with pytest.raises(RuntimeError, match='needs a mean and an rstd per row'):
+        op(x, lower, span, seen, None, None, 1, 8, 0.9, 8, False, 0, 0, True, True)
+    with pytest.raises(RuntimeError, match='one value per row'):
+        op(x, lower, span, seen, torch.zeros(5), torch.ones(5), 1, 8, 0.9, 8, False, 0, 0, True,
+           True)
+
+
 @requires_build
 @pytest.mark.parametrize('shape', [(0,), (1,), (7,), (8,), (9,), (3, 5, 7), (4, 64, 33, 31)])
 def test_mask_kernels_match_bitpack(shape):

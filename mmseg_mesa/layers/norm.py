@@ -53,34 +53,36 @@ def standardized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> tor
         return (x - mean).mul_(rstd)
 
 
-def layer_norm_normalized(x: torch.Tensor, normalized_shape: tuple, weight: torch.Tensor | None,
-                          bias: torch.Tensor | None, eps: float
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``F.layer_norm``'s output with the normalized input ``(x - mean) * rstd`` (fp32 or wider)
-    and the 1/std of each token (kept dims).
+def layer_norm_moments(x: torch.Tensor, normalized_shape: tuple, weight: torch.Tensor | None,
+                       bias: torch.Tensor | None, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``F.layer_norm``'s output with the mean and 1/std of each token (kept dims, fp32 or
+    wider): what the normalized input ``(x - mean) * rstd`` is packed from.
 
-    Outside autocast the moments are those ``native_layer_norm`` returns (a ``var_mean`` costs
-    several times the whole layer norm on CPU, docs/benchmarks.md), and for an fp32 or wider
-    ``x`` so is the normalized input: ``native_layer_norm`` without an affine, one pass where
-    subtracting and scaling take two (its output with the affine is ``F.layer_norm``'s). Under
-    autocast (``F.layer_norm`` has its own cast rule there) or where torch keeps the moments in
-    half precision (bf16 on CPU), they are computed in fp32.
+    Outside autocast they are the moments ``native_layer_norm`` returns with the output (one
+    call: a ``var_mean`` costs several times the whole layer norm on CPU, docs/benchmarks.md).
+    Under autocast (``F.layer_norm`` has its own cast rule there) or where torch keeps the
+    moments in half precision (bf16 on CPU), they are computed in fp32.
     """
     if not torch.is_autocast_enabled(device_type(x)):
-        if x.dtype in WIDE_MOMENTS:
-            x = x.contiguous()  # both calls would copy a strided input (a transposed patch map)
-            x_norm, _, rstd = torch.native_layer_norm(x, normalized_shape, None, None, eps)
-            if weight is not None or bias is not None:
-                return (torch.native_layer_norm(x, normalized_shape, weight, bias, eps)[0],
-                        x_norm, rstd)
-            return x_norm, x_norm, rstd
         y, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         if mean.dtype in WIDE_MOMENTS:
-            return y, standardized(x, mean, rstd), rstd
+            return y, mean, rstd
     else:
         y = F.layer_norm(x, normalized_shape, weight, bias, eps)
     mean, rstd = moments(x, tuple(range(-len(normalized_shape), 0)), eps)
-    return y, standardized(x, mean, rstd), rstd
+    return y, mean, rstd
+
+
+def pack_layer_normalized(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                          quantizer: Any) -> Any:
+    """The packed ``(x - mean) * rstd`` of a LayerNorm (moments per token). An
+    ``ActivationQuantizer`` packs it straight from ``x`` (``row_moments``: the kernels
+    standardize each value as they read it, so the norm runs once and no full-size fp32
+    temporary is made); other compressors (DIVISION) get the normalized tensor."""
+    if isinstance(quantizer, ActivationQuantizer):
+        return quantizer.pack(x, row_moments=(mean, rstd))
+    return quantizer.pack(standardized(x, mean, rstd))
 
 
 class MesaLayerNormFunction(torch.autograd.Function):
@@ -103,9 +105,8 @@ class MesaLayerNormFunction(torch.autograd.Function):
                 ) -> torch.Tensor:
         record_input(ctx, x)
         ctx.normalized_shape = normalized_shape
-        y, x_norm, rstd = layer_norm_normalized(x, normalized_shape, weight, bias, eps)
-        packed = quantizer.pack(x_norm)
-        del x_norm
+        y, mean, rstd = layer_norm_moments(x, normalized_shape, weight, bias, eps)
+        packed = pack_layer_normalized(x, mean, rstd, quantizer)
         save(ctx, packed, rstd, weight, bias)
         if isinstance(packed, Packed):  # a Linear reading y saves it as these codes
             attach_codes(y, affine_codes(packed, weight, bias, y.dtype))
