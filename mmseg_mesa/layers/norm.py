@@ -105,6 +105,7 @@ class MesaLayerNormFunction(torch.autograd.Function):
                 ) -> torch.Tensor:
         record_input(ctx, x)
         ctx.normalized_shape = normalized_shape
+        x = x.contiguous()  # a strided input (a transposed patch map) is copied once, not twice
         y, mean, rstd = layer_norm_moments(x, normalized_shape, weight, bias, eps)
         packed = pack_layer_normalized(x, mean, rstd, quantizer)
         save(ctx, packed, rstd, weight, bias)
