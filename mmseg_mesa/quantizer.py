@@ -274,8 +274,9 @@ class ActivationQuantizer(nn.Module):
                 x, buffers['lower'], buffers['span'], buffers['seen'], group_dim,
                 spec.group_size, spec.ema_decay, bits, spec.stochastic, pack=True, mean=mean,
                 rstd=rstd, rows=True)
-            return Packed(data, lower, scale, x.shape, torch.promote_types(x.dtype, torch.float32),
-                          bits, group_dim, spec.group_size, spec.backend, None)
+            wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # as promoted
+            return Packed(data, lower, scale, x.shape, wide, bits, group_dim, spec.group_size,
+                          spec.backend, None)
         stored, order = in_memory_order(x.detach())
         data, lower, scale = backend.observe_quantize(
             stored, buffers['lower'], buffers['span'], buffers['seen'],
