@@ -27,6 +27,10 @@ by side in the order halved; once one of them is refined, those of its size foll
 draw of each alone would decide each by chance), and the others of the role are measured as
 one group and refined together where that group alone exceeds the bounds.
 
+Under torch.distributed every rank steps on its own images and the search decides on the
+squared errors summed over the ranks: one choice, and the same steps on every rank, so
+collectives inside a step (SyncBatchNorm's) pair up.
+
 The steps leave the run as it was: running estimates, attention readings, rounding streams,
 every buffer (BatchNorm statistics), the random state and the parameters' gradients are put back,
 and each step starts from them, so the groups differ only in their codes. Its peak is one Mesa
@@ -212,8 +216,24 @@ def _gradients(model: nn.Module, step: Step, snapshot: _Snapshot) -> list[torch.
     return grads
 
 
+def _across_ranks(values: torch.Tensor, op: str = 'sum') -> torch.Tensor:
+    """``values`` summed (or their maximum) over the ranks of torch.distributed: every rank then
+    decides alike and takes the same steps, so collectives inside a step (SyncBatchNorm's)
+    pair up, and the choice is one for all ranks."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return values
+    device = torch.device('cpu')
+    if dist.get_backend() == 'nccl':
+        device = torch.device('cuda', torch.cuda.current_device())
+    out = values.to(device)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op == 'sum' else dist.ReduceOp.MAX)
+    return out.to(values.device)
+
+
 def _squared_errors(got: list, reference: list) -> torch.Tensor:
-    """Per parameter ``||got - reference||^2`` (fp64; a missing gradient is 0)."""
+    """Per parameter ``||got - reference||^2`` (fp64; a missing gradient is 0), summed over the
+    ranks where torch.distributed runs."""
     out = []
     for g, r in zip(got, reference):
         if r is None:
@@ -221,7 +241,7 @@ def _squared_errors(got: list, reference: list) -> torch.Tensor:
         else:
             diff = r.double() if g is None else (g.double() - r.double())
             out.append(float(diff.pow(2).sum()))
-    return torch.tensor(out, dtype=torch.float64)
+    return _across_ranks(torch.tensor(out, dtype=torch.float64))
 
 
 class _Measure:
@@ -229,8 +249,8 @@ class _Measure:
 
     def __init__(self, reference: list, bounds: Calibration, names: list[str]) -> None:
         self.names = names
-        norms = torch.tensor([0.0 if r is None else float(r.double().pow(2).sum())
-                              for r in reference], dtype=torch.float64)
+        norms = _across_ranks(torch.tensor([0.0 if r is None else float(r.double().pow(2).sum())
+                                            for r in reference], dtype=torch.float64))
         self.whole_limit = bounds.error ** 2 * float(norms.sum())
         # a gradient off by a relative error e at right angles has cosine 1 / sqrt(1 + e^2);
         # one parameter's error in one step is one draw of a sum of few rounding errors, so
@@ -325,6 +345,11 @@ def calibrate(model: nn.Module, step: Step, bounds: Calibration) -> CalibrationR
         coarse = _gradients(model, step, snapshot)  # all at 8 bits: a training step
         report.step_seconds = time.perf_counter() - begun
         report.passes = 3
+        # the same sizes on every rank (the largest), so that every rank decides alike
+        ordered = sorted(everything)
+        counts = _across_ranks(torch.tensor([sizes.get(n, 0) for n in ordered],
+                                            dtype=torch.float64), 'max')
+        sizes = {n: int(c) for n, c in zip(ordered, counts.tolist()) if c}
         # those that packed, layers of one role in repeated blocks side by side
         candidates = sorted((n for n in everything if sizes.get(n)), key=role)
         report.candidates = len(candidates)
@@ -436,8 +461,9 @@ def first_images(batch: Any, n: int) -> Any:
 
 
 def agree_across_ranks(model: nn.Module) -> None:
-    """Under torch.distributed, refine a layer wherever any rank chose it: each rank calibrated
-    on its own images, and resuming from rank 0's checkpoint must give every rank one choice."""
+    """Under torch.distributed, refine a layer wherever any rank chose it: the search decides
+    on errors summed over the ranks, so their choices agree already; resuming from rank 0's
+    checkpoint must give every rank one choice whatever made them differ."""
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return

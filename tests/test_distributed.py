@@ -47,6 +47,8 @@ from mmengine.model import is_model_wrapper
 from mmengine.registry import HOOKS
 from torch.nn.parallel import DistributedDataParallel
 
+from mmseg_mesa.calibration import refined_layers
+
 if 'RANK' in os.environ and not torch.cuda.is_available() and not dist.is_initialized():
     dist.init_process_group('gloo')
 DistributedDataParallel._passing_sync_batchnorm_handle = lambda self, module: None
@@ -60,7 +62,8 @@ class DumpRankStateHook(Hook):
         model = runner.model.module if is_model_wrapper(runner.model) else runner.model
         torch.save({'state_dict': model.state_dict(),
                     'types': sorted({type(m).__name__ for m in model.modules()}),
-                    'wrapper': type(runner.model).__name__},
+                    'wrapper': type(runner.model).__name__,
+                    'refined': refined_layers(model)},
                    os.path.join(runner.work_dir, f'rank{get_rank()}_state.pth'))
 '''
 
@@ -96,7 +99,10 @@ def run(tmp_path_factory):
     options += ['env_cfg.dist_cfg.backend=gloo', 'model.decode_head.norm_cfg.type=SyncBN',
                 f'train_cfg.max_iters={ITERS}', f'train_cfg.val_interval={ITERS}',
                 f'default_hooks.checkpoint.interval={ITERS}', 'train_dataloader.batch_size=2',
-                'val_dataloader.batch_size=2', 'default_hooks.logger.interval=1']
+                'val_dataloader.batch_size=2', 'default_hooks.logger.interval=1',
+                # bounds no layer meets at 8 bits: each rank's images alone would choose
+                # differently and take different steps, SyncBatchNorm's collectives among them
+                'mesa.calibrate.error=0.0005', 'mesa.calibrate.passes=8']
     env = dict(os.environ, PYTHON=sys.executable, PORT=str(free_port()),
                MASTER_ADDR='127.0.0.1', GLOO_SOCKET_IFNAME='lo', OMP_NUM_THREADS='1',
                PYTHONUNBUFFERED='1',
@@ -125,6 +131,9 @@ def test_ranks_hold_identical_state(run):
         types = {name.split('[', 1)[0] for name in dump['types']}
         assert 'MesaSyncBatchNorm' in types and 'MesaWindowMSA' in types
         assert 'SyncBatchNorm' not in types
+    # one calibration's choice on both ranks (the search sums their errors)
+    assert 'Mesa: calibration: ' in log
+    assert ranks[0]['refined'] and ranks[0]['refined'] == ranks[1]['refined']
     first, second = (d['state_dict'] for d in ranks)
     assert list(first) == list(second)
     different = [k for k in first if not torch.equal(first[k], second[k])]
