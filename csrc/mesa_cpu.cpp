@@ -279,6 +279,97 @@ __attribute__((target("avx2"))) void philox_uniforms_avx2(uint64_t seed, uint64_
   }
 }
 
+// Philox blocks one pass of the AVX-512 generator draws: four sets of sixteen.
+constexpr int kWideBlocks = 16 * kSimdSets;
+
+// philox_uniforms_avx2 sixteen lanes at a time (the same integer arithmetic and fp32 multiply,
+// so the same values); `blocks` is rounded up to a multiple of kWideBlocks.
+__attribute__((target("avx512f"))) void philox_uniforms_avx512(uint64_t seed, uint64_t counter,
+                                                               uint64_t blocks, float* out) {
+  const __m512i mul0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m512i mul1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512 unit = _mm512_set1_ps(0x1p-24f);
+  const __m512i hi_words = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                             15, 31);
+  const __m512i lo_words = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                             14, 30);
+  for (uint64_t b = 0; b < blocks; b += kWideBlocks) {
+    __m512i c0[kSimdSets], c1[kSimdSets], c2[kSimdSets], c3[kSimdSets];
+    for (int s = 0; s < kSimdSets; ++s) {
+      const uint64_t base = counter + b + 16 * s;
+      const __m512i base_low = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base)));
+      c0[s] = _mm512_add_epi32(base_low, lanes);
+      const __mmask16 wrapped = _mm512_cmplt_epu32_mask(c0[s], base_low);
+      const __m512i high = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(base >> 32)));
+      c1[s] = _mm512_mask_add_epi32(high, wrapped, high, one);
+      c2[s] = _mm512_setzero_si512();
+      c3[s] = _mm512_setzero_si512();
+    }
+    uint32_t key0 = static_cast<uint32_t>(seed);
+    uint32_t key1 = static_cast<uint32_t>(seed >> 32);
+    for (int r = 0; r < 10; ++r) {
+      if (r > 0) {
+        key0 += 0x9E3779B9u;
+        key1 += 0xBB67AE85u;
+      }
+      const __m512i k0 = _mm512_set1_epi32(static_cast<int>(key0));
+      const __m512i k1 = _mm512_set1_epi32(static_cast<int>(key1));
+      for (int s = 0; s < kSimdSets; ++s) {
+        // 64-bit products of the even and the odd lanes, split into 32-bit halves
+        const __m512i even0 = _mm512_mul_epu32(c0[s], mul0);
+        const __m512i odd0 = _mm512_mul_epu32(_mm512_srli_epi64(c0[s], 32), mul0);
+        const __m512i even1 = _mm512_mul_epu32(c2[s], mul1);
+        const __m512i odd1 = _mm512_mul_epu32(_mm512_srli_epi64(c2[s], 32), mul1);
+        const __m512i hi0 = _mm512_permutex2var_epi32(even0, hi_words, odd0);
+        const __m512i lo0 = _mm512_permutex2var_epi32(even0, lo_words, odd0);
+        const __m512i hi1 = _mm512_permutex2var_epi32(even1, hi_words, odd1);
+        const __m512i lo1 = _mm512_permutex2var_epi32(even1, lo_words, odd1);
+        c0[s] = _mm512_xor_si512(_mm512_xor_si512(hi1, c1[s]), k0);
+        c2[s] = _mm512_xor_si512(_mm512_xor_si512(hi0, c3[s]), k1);
+        c1[s] = lo1;
+        c3[s] = lo0;
+      }
+    }
+    for (int s = 0; s < kSimdSets; ++s) {
+      // unit_uniform of each word, then word k of block l to out[4 * l + k]: blocks 4j + i
+      // gathered in 128-bit lane j of v[i], then those lanes transposed
+      __m512 u[4];
+      const __m512i words[4] = {c0[s], c1[s], c2[s], c3[s]};
+      for (int k = 0; k < 4; ++k) {
+        u[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(words[k], 8)), unit);
+      }
+      const __m512 t0 = _mm512_unpacklo_ps(u[0], u[1]);
+      const __m512 t1 = _mm512_unpackhi_ps(u[0], u[1]);
+      const __m512 t2 = _mm512_unpacklo_ps(u[2], u[3]);
+      const __m512 t3 = _mm512_unpackhi_ps(u[2], u[3]);
+      const __m512 v0 = _mm512_shuffle_ps(t0, t2, 0x44);
+      const __m512 v1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+      const __m512 v2 = _mm512_shuffle_ps(t1, t3, 0x44);
+      const __m512 v3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+      const __m512 a = _mm512_shuffle_f32x4(v0, v1, 0x44);
+      const __m512 b2 = _mm512_shuffle_f32x4(v2, v3, 0x44);
+      const __m512 c = _mm512_shuffle_f32x4(v0, v1, 0xEE);
+      const __m512 d = _mm512_shuffle_f32x4(v2, v3, 0xEE);
+      float* o = out + 4 * (b + 16 * s);
+      _mm512_storeu_ps(o + 0, _mm512_shuffle_f32x4(a, b2, 0x88));
+      _mm512_storeu_ps(o + 16, _mm512_shuffle_f32x4(a, b2, 0xDD));
+      _mm512_storeu_ps(o + 32, _mm512_shuffle_f32x4(c, d, 0x88));
+      _mm512_storeu_ps(o + 48, _mm512_shuffle_f32x4(c, d, 0xDD));
+    }
+  }
+}
+
+// Whether the AVX-512 generator runs: torch's CPU capability is AVX512 (ATEN_CPU_CAPABILITY
+// lowers it) and the CPU has AVX-512F.
+bool runs_avx512() {
+  static const bool avx512 = [] {
+    return at::get_cpu_capability() == "AVX512" && __builtin_cpu_supports("avx512f");
+  }();
+  return avx512;
+}
+
 // Whether the AVX2 loops run (stochastic rounding's draws, the code loops, pack_positive):
 // torch's CPU capability (which honours ATEN_CPU_CAPABILITY, so CI can run the portable loops
 // too) is AVX2 or above.
@@ -293,10 +384,17 @@ bool runs_avx2() {
 constexpr int kSimdBlocks = kLanes;
 #endif
 
+// The most blocks one pass of any generator draws.
+#ifdef MESA_X86_SIMD
+constexpr int kPassBlocks = kWideBlocks;
+#else
+constexpr int kPassBlocks = kSimdBlocks;
+#endif
+
 // Floats tile_uniforms writes for one tile: its blocks (one more when it starts inside a
 // block), rounded up to a whole number of passes of either generator.
 constexpr int64_t kTileBuffer =
-    4 * ((kTile / 4 + 1 + kSimdBlocks - 1) / kSimdBlocks) * kSimdBlocks;
+    4 * ((kTile / 4 + 1 + kPassBlocks - 1) / kPassBlocks) * kPassBlocks;
 static_assert(kSimdBlocks % kLanes == 0, "a pass of the AVX2 generator covers whole lanes");
 
 // noise[j] = the uniform of flat index begin + j, for j < count <= kTile; `buffer` holds
@@ -306,6 +404,10 @@ inline const float* tile_uniforms(uint64_t seed, uint64_t offset, int64_t begin,
   const uint64_t first = static_cast<uint64_t>(begin) >> 2;
   const uint64_t blocks = ((static_cast<uint64_t>(begin + count) + 3) >> 2) - first;
 #ifdef MESA_X86_SIMD
+  if (runs_avx512()) {
+    philox_uniforms_avx512(seed, offset + first, blocks, buffer);
+    return buffer + (begin & 3);
+  }
   if (runs_avx2()) {
     philox_uniforms_avx2(seed, offset + first, blocks, buffer);
     return buffer + (begin & 3);

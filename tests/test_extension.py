@@ -574,9 +574,9 @@ torch.save(codes, sys.argv[2])
 @pytest.mark.slow
 @requires_build
 def test_stochastic_rounding_draws_the_same_on_the_portable_path(tmp_path):
-    """Where torch's CPU capability is AVX2 the draws are made eight blocks at a time with AVX2;
-    under ATEN_CPU_CAPABILITY=default the portable loop makes them. Same codes, across the
-    counter's 32-bit carry."""
+    """Where torch's CPU capability is AVX2 the draws are made eight blocks at a time with AVX2,
+    sixteen with AVX-512 where it is AVX512; under ATEN_CPU_CAPABILITY=default the portable loop
+    makes them. Same codes, across the counter's 32-bit carry."""
     x = torch.randn(4, 37, 41, 29)
     portable = on_the_portable_path(tmp_path, PORTABLE_DRAWS, x)
     k = kernels()
