@@ -361,11 +361,14 @@ __attribute__((target("avx512f"))) void philox_uniforms_avx512(uint64_t seed, ui
   }
 }
 
-// Whether the AVX-512 generator runs: torch's CPU capability is AVX512 (ATEN_CPU_CAPABILITY
-// lowers it) and the CPU has AVX-512F.
+// Whether the AVX-512 loops run (stochastic rounding's draws, the code loops): torch's CPU
+// capability is AVX512 (ATEN_CPU_CAPABILITY lowers it) and the CPU has the AVX-512 F, BW, VL
+// and DQ sets they are built for (those torch's AVX512 capability asks for too).
 bool runs_avx512() {
   static const bool avx512 = [] {
-    return at::get_cpu_capability() == "AVX512" && __builtin_cpu_supports("avx512f");
+    return at::get_cpu_capability() == "AVX512" && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
   }();
   return avx512;
 }
@@ -437,9 +440,10 @@ inline const float* tile_uniforms(uint64_t seed, uint64_t offset, int64_t begin,
 }
 
 // The element loops of quantize and dequantize. The compiler vectorizes them for the instruction
-// set of the function they are inlined into, so each runs in two builds: the compiler's baseline
-// (SSE2 on x86-64) and, where runs_avx2(), AVX2 (twice the lanes). The operations and their
-// roundings are the same in both (no FMA: -ffp-contract=off), and so are the results.
+// set of the function they are inlined into, so each runs in three builds: the compiler's
+// baseline (SSE2 on x86-64), AVX2 where runs_avx2() and AVX-512 where runs_avx512() (two and
+// four times the lanes). The operations and their roundings are the same in all three (no FMA:
+// -ffp-contract=off), and so are the results.
 template <typename scalar_t, bool kStochastic, bool kPerElement>
 __attribute__((always_inline)) inline void encode_elements(
     const scalar_t* x, int64_t count, const float* lower, const float* scale, float levels,
@@ -473,12 +477,30 @@ __attribute__((target("avx2"))) void decode_elements_avx2(
     const uint8_t* codes, int64_t count, const float* lower, const float* scale, scalar_t* out) {
   decode_elements<scalar_t, kPerElement>(codes, count, lower, scale, out);
 }
+
+template <typename scalar_t, bool kStochastic, bool kPerElement>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void encode_elements_avx512(
+    const scalar_t* x, int64_t count, const float* lower, const float* scale, float levels,
+    const float* noise, uint8_t* out) {
+  encode_elements<scalar_t, kStochastic, kPerElement>(x, count, lower, scale, levels, noise, out);
+}
+
+template <typename scalar_t, bool kPerElement>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void decode_elements_avx512(
+    const uint8_t* codes, int64_t count, const float* lower, const float* scale, scalar_t* out) {
+  decode_elements<scalar_t, kPerElement>(codes, count, lower, scale, out);
+}
 #endif
 
 template <typename scalar_t, bool kStochastic, bool kPerElement>
 void encode_span(const scalar_t* x, int64_t count, const float* lower, const float* scale,
                  float levels, const float* noise, uint8_t* out) {
 #ifdef MESA_X86_SIMD
+  if (runs_avx512()) {
+    encode_elements_avx512<scalar_t, kStochastic, kPerElement>(x, count, lower, scale, levels,
+                                                               noise, out);
+    return;
+  }
   if (runs_avx2()) {
     encode_elements_avx2<scalar_t, kStochastic, kPerElement>(x, count, lower, scale, levels,
                                                              noise, out);
@@ -492,6 +514,10 @@ template <typename scalar_t, bool kPerElement>
 void decode_span(const uint8_t* codes, int64_t count, const float* lower, const float* scale,
                  scalar_t* out) {
 #ifdef MESA_X86_SIMD
+  if (runs_avx512()) {
+    decode_elements_avx512<scalar_t, kPerElement>(codes, count, lower, scale, out);
+    return;
+  }
   if (runs_avx2()) {
     decode_elements_avx2<scalar_t, kPerElement>(codes, count, lower, scale, out);
     return;
