@@ -236,9 +236,14 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ x, const float* __r
         values[j] = j < count ? static_cast<float>(x[begin + j]) : 0.0f;
       }
     }
-    if (row_mean != nullptr) {
+    if (row_mean != nullptr) {  // one division per chunk: its values span few rows
+      int64_t row = begin / row_len;
+      int64_t row_end = (row + 1) * row_len;
       for (int j = 0; j < count; ++j) {
-        const int64_t row = (begin + j) / row_len;
+        while (begin + j >= row_end) {
+          ++row;
+          row_end += row_len;
+        }
         values[j] = row_standardized(values[j], row_mean[row], row_rstd[row]);
       }
     }
