@@ -307,8 +307,14 @@ __global__ void dequantize_kernel(const uint8_t* __restrict__ in,
     float values[kChunk];
     decode_chunk(codes, count, cursor, layout, lower, scale, values);
     if (divisor != nullptr) {  // each value divided by its row's, in fp32
+      int64_t row = begin / row_len;  // one division per chunk: its values span few rows
+      int64_t row_end = (row + 1) * row_len;
       for (int j = 0; j < count; ++j) {
-        values[j] = div_rn(values[j], divisor[(begin + j) / row_len]);
+        while (begin + j >= row_end) {
+          ++row;
+          row_end += row_len;
+        }
+        values[j] = div_rn(values[j], divisor[row]);
       }
     }
     // The cast is the c10 conversion (round to nearest even) that Tensor.to(dtype) uses.
