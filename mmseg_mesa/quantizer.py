@@ -249,11 +249,12 @@ class ActivationQuantizer(nn.Module):
         """Observe ``x`` (training step) and quantize it over the resulting range (refined to
         about 16 bits where the spec says ``REFINED_BITS`` or the caller asks).
 
-        With ``row_moments = (mean, rstd)``, one of each per row of the last dim (a LayerNorm's
-        moments per token, fp32), the packed tensor is ``(x - mean) * rstd`` (fp32): where the
-        groups run along the last dim and the codes are not refined, the kernels standardize
-        each value as they read it (``rows``), so that the normalized tensor is never built and
-        a LayerNorm runs its norm once; otherwise it is built and packed.
+        With ``row_moments = (mean, rstd)`` (a LayerNorm's moments per token: fp32 or wider,
+        kept dims, broadcasting over ``x``), the packed tensor is ``(x - mean) * rstd`` (fp32):
+        where the moments are one per row of the last dim, the groups run along it and the codes
+        are not refined, the kernels standardize each value as they read it (``rows``), so that
+        the normalized tensor is never built and a LayerNorm runs its norm once; otherwise it
+        is built and packed.
         """
         refined = refined or self.keep_refined
         spec = self.spec
