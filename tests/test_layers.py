@@ -250,6 +250,34 @@ def test_layernorm_gradients_hold_for_tokens_of_any_spread(bits):
     assert cosine(ref.weight.grad, ours.weight.grad) >= (0.999 if bits == 8 else 0.98)
 
 
+@pytest.mark.parametrize('transposed', [False, True])
+def test_layernorm_runs_its_norm_once(transposed):
+    """The normalized input is packed as the kernels read ``x`` (``pack(row_moments=...)``):
+    a forward is one ``native_layer_norm`` and one pack, and a strided input (a transposed
+    patch map) is copied once (the pack's equality with the torch path: test_extension)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in ('detach', 'view', 'alias'):
+                self.calls.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ref = nn.LayerNorm(48)
+    ours = MesaLayerNorm.convert(copy.deepcopy(ref), MesaConfig())
+    x = torch.randn(2, 48, 30) * 3 + 1
+    x = (x.transpose(1, 2) if transposed else x.view(2, 30, 48)).requires_grad_()
+    ours(x)  # the first call sizes the running estimates
+    with Ops() as ops:
+        y = ours(x)
+    assert torch.equal(y, ref(x))
+    assert ops.calls == ['clone'] * transposed + ['native_layer_norm', 'observe_quantize']
+
+
 def _attention_map_step(modify_map: bool = False):
     """softmax then ``attn @ v`` (Mesa modules): the bytes saved, the gradients, and exact ones."""
     from mmseg_mesa.layers.matmul import MesaMatMul
