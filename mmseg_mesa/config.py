@@ -193,8 +193,10 @@ class MesaConfig:
             finds what no rule names (ConViT's positional projection, ReXNet's). The rules
             above still apply on top, as cheap first choices it measures with. ``True`` (the
             default bounds, ``Calibration``), a dict of ``Calibration`` fields, or False (the
-            rules alone). Defaults to the default bounds: where the rules hold, it costs a
-            forward and two steps of two images, once per run.
+            rules alone). Defaults to False until refined codes decode a constant group
+            exactly: they miss it by 1/255, and a layer refined there (MaskFormer's first
+            decoder self-attention, whose value is constant) moves the gradient by 0.06
+            (docs/sweeps.md).
 
     Named presets (``MesaConfig.preset(name)``, or ``mesa=dict(preset=name, ...)`` in a config)
     bundle these fields; see ``PRESETS``.
@@ -218,7 +220,7 @@ class MesaConfig:
     attention_maps: str = 'recompute'
     attention_refine_error: float = 0.05
     batchnorm_refine_below: int = 256
-    calibrate: Calibration | None = field(default_factory=Calibration)
+    calibrate: Calibration | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):

@@ -3,7 +3,7 @@
     python tools/benchmark_backbones.py [--size 128] [--batch 2]
         [--backbones ConvNeXt timm/resnet18 ...] [--jobs 1] [--timeout 900]
         [--json work_dirs/benchmarks/backbones.json] [--markdown PATH]
-        [--no-calibrate | --calibrate-error 0.02 --calibrate-cosine 0.99]
+        [--calibrate | --no-calibrate | --calibrate-error 0.02 --calibrate-cosine 0.99]
 
 Every mmpretrain backbone that returns multi-level feature maps (``MMPRETRAIN``: the smallest
 arch of each, through ``type='mmpretrain.<Name>'``) and a set of timm models through
@@ -12,8 +12,9 @@ arch of each, through ``type='mmpretrain.<Name>'``) and a set of timm models thr
 (``mmseg_mesa.bench.backbones``; plain ViTs get mmseg's ``MultiLevelNeck``). Random weights.
 
 Per backbone it runs one training step of the unconverted model and of its default Mesa
-conversion (calibrated first on another batch, as a run's first iteration calibrates:
-``MesaConfig.calibrate``; ``--no-calibrate`` the rules alone) on the same random batch
+conversion (``MesaConfig()``; with ``--calibrate`` or ``--calibrate-error`` /
+``--calibrate-cosine``, calibrated first on another batch as a run's first iteration calibrates
+with ``MesaConfig.calibrate``; ``--no-calibrate``: the rules alone) on the same random batch
 (``--size`` square, ``--batch`` images) and prints what ``tools/benchmark_zoo.py`` prints
 (``mmseg_mesa.bench.sweep``): the outcome, whether the forward is bit-identical, saved bytes
 against the baseline's, the share left uncompressed and the modules holding it, the

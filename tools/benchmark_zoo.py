@@ -2,13 +2,14 @@
 
     python tools/benchmark_zoo.py [--size 128] [--batch 2] [--families fcn swin ...]
         [--jobs 1] [--timeout 900] [--json work_dirs/benchmarks/zoo.json] [--markdown PATH]
-        [--no-calibrate | --calibrate-error 0.02 --calibrate-cosine 0.99]
+        [--calibrate | --no-calibrate | --calibrate-error 0.02 --calibrate-cosine 0.99]
 
 For each family's representative config (``CONFIGS``: the family's standard ADE20K model where
 it has one, else its Cityscapes one; random weights, SyncBN reverted, as a user's first step
 would build it) it runs one training step of the unconverted model and of its default Mesa
-conversion (calibrated first on another batch, as a run's first iteration calibrates:
-``MesaConfig.calibrate``; ``--no-calibrate`` the rules alone) on the same random batch
+conversion (``MesaConfig()``; with ``--calibrate`` or ``--calibrate-error`` /
+``--calibrate-cosine``, calibrated first on another batch as a run's first iteration calibrates
+with ``MesaConfig.calibrate``; ``--no-calibrate``: the rules alone) on the same random batch
 (``--size`` square, ``--batch`` images) and prints:
 
 - the outcome: ``ok``, or the stage that failed and its error;

@@ -224,9 +224,11 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, things: str) -> None:
     parser.add_argument('--timeout', type=float, default=900, help=f'seconds per {things[:-1]}')
     parser.add_argument('--json', default=None, help='write the rows as JSON here')
     parser.add_argument('--markdown', default=None, help='write the table as Markdown here')
+    parser.add_argument('--calibrate', action='store_true',
+                        help='calibrate each model first with the default bounds, as '
+                             'mesa=dict(calibrate=True) does')
     parser.add_argument('--no-calibrate', action='store_true',
-                        help='the rules alone, as mesa=dict(calibrate=False) (by default each '
-                             'model is calibrated first, as a run is)')
+                        help='the rules alone, as mesa=dict(calibrate=False)')
     parser.add_argument('--calibrate-error', type=float, default=None,
                         help='calibrate with this whole-gradient error bound')
     parser.add_argument('--calibrate-cosine', type=float, default=None,
@@ -235,21 +237,22 @@ def add_sweep_arguments(parser: argparse.ArgumentParser, things: str) -> None:
 
 
 def calibration_setting(args: argparse.Namespace) -> Any:
-    """The ``MesaConfig.calibrate`` setting the sweep options ask for: None (the default),
-    False (the rules alone) or a dict of the bounds given."""
+    """The ``MesaConfig.calibrate`` setting the sweep options ask for: None (``MesaConfig``'s
+    default), False (the rules alone), True (the default bounds) or a dict of the bounds
+    given."""
     if args.no_calibrate:
         return False
     bounds = {k: v for k, v in (('error', args.calibrate_error),
                                 ('cosine', args.calibrate_cosine)) if v is not None}
-    return bounds or None
+    return bounds or (True if args.calibrate else None)
 
 
 def calibration_flags(setting: Any) -> list[str]:
     """The options that give a ``--one`` process ``setting`` (``calibration_setting``'s)."""
-    if setting is None or setting is True:
+    if setting is None:
         return []
-    if setting is False:
-        return ['--no-calibrate']
+    if isinstance(setting, bool):
+        return ['--calibrate' if setting else '--no-calibrate']
     return [flag for key, value in setting.items()
             for flag in (f'--calibrate-{key}', repr(value))]
 
