@@ -926,8 +926,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> refine_cpu(
   float* fine_lo = fine_lower.mutable_data_ptr<float>();
   float* fine_sc = fine_scale.mutable_data_ptr<float>();
   for (int64_t g = 0; g < layout.groups; ++g) {
-    fine_lo[g] = -sc[g];
     fine_sc[g] = fine_step(sc[g]);
+    fine_lo[g] = fine_lower_of(fine_sc[g]);
   }
   at::Tensor fine = at::empty(x.sizes(), x.options().dtype(at::kByte));
   // Standardized: the codes are those of (x - mean) * rstd (quantizer.pack_standardized).

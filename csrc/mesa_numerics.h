@@ -341,16 +341,23 @@ MESA_HD float decode(uint8_t code, float lower, float scale) {
 // ---------------------------------------------------------------- refined codes
 
 // Refined codes (quantizer.refine) are 8-bit codes and the 8-bit codes of what they miss, made
-// over one coarse step either way of each group: the fine codes' lower is -scale and their
-// step scale / 127.5, both rounded as the reference's torch ops round them. Rounding to nearest:
-// the second pass draws nothing.
+// over one coarse step either way of each group: the fine codes' step is scale / 127 and their
+// lower -127 steps, the product rounded as decode rounds it, so that code 127 decodes to 0
+// exactly (a constant group's codes miss nothing, and its refined codes add nothing to them);
+// both rounded as the reference's torch ops round them. Rounding to nearest: the second pass
+// draws nothing.
 MESA_HD float fine_step(float scale) {
-  return div_rn(scale, 127.5f);
+  return div_rn(scale, 127.0f);
+}
+
+MESA_HD float fine_lower_of(float step) {
+  return -mul_rn(127.0f, step);
 }
 
 // The fine code of an element whose fp32 value is `v` and coarse code `code`.
 MESA_HD uint8_t fine_code(float v, uint8_t code, float lower, float scale, float step) {
-  return encode<false>(sub_rn(v, decode(code, lower, scale)), -scale, step, 255.0f, 0.0f);
+  return encode<false>(sub_rn(v, decode(code, lower, scale)), fine_lower_of(step), step, 255.0f,
+                       0.0f);
 }
 
 // Both codes decoded and added in fp32, as the reference adds the two decoded tensors.

@@ -35,7 +35,7 @@ from .codes import (
     stored_dim,
 )
 from .host import LateReading
-from .reference import ema_update, group_min_max, scale_from_span
+from .reference import ema_update, fine_grid, group_min_max, scale_from_span
 from .rounding import reset_rounding_generators, rounding_counter
 
 __all__ = ['REFINED_BITS', 'ActivationQuantizer', 'Mapped', 'Packed', 'QuantSpec', 'Refined',
@@ -113,8 +113,7 @@ def _fine_codes(packed: Packed, x: torch.Tensor, mean: torch.Tensor | None,
         value = (value - mean.view(shape)) * rstd.view(shape)
     spec = QuantSpec(bits=8, group_dim=packed.group_dim, group_size=packed.group_size,
                      stochastic=False, backend=packed.backend)
-    return quantized(value - unpack(packed, torch.float32), spec, -packed.scale,
-                     packed.scale / 127.5)
+    return quantized(value - unpack(packed, torch.float32), spec, *fine_grid(packed.scale))
 
 
 def unpack(packed: Codes, dtype: torch.dtype | None = None) -> torch.Tensor:

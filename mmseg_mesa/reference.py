@@ -318,6 +318,14 @@ def dequantize_packed_reference(packed: Packed, dtype: torch.dtype | None = None
     return _dequantize_pieces(packed, dtype or packed.dtype, codes_of)
 
 
+def fine_grid(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lower and step of refined codes' second pass over coarse codes of step ``scale``:
+    a step of ``scale / 127`` and a lower of ``-(127 * step)``, rounded as a decode rounds that
+    product, so that code 127 decodes to exactly 0."""
+    step = scale / 127.0
+    return -(step * 127.0), step
+
+
 def refine_reference(x: torch.Tensor, codes: torch.Tensor, lower: torch.Tensor,
                      scale: torch.Tensor, group_dim: int, group_size: int,
                      mean: torch.Tensor | None = None, rstd: torch.Tensor | None = None
@@ -325,7 +333,8 @@ def refine_reference(x: torch.Tensor, codes: torch.Tensor, lower: torch.Tensor,
     """The fine codes of ``x``'s 8-bit ``codes`` (one per element; with ``mean`` and ``rstd``,
     one per group, the codes of ``(x - mean) * rstd``) and the lower and scale that decode
     them: what the codes miss, rounded to nearest over one coarse step either way of each group
-    (``-scale`` up to ``scale``, a step of ``scale / 127.5``)."""
+    (a step of ``scale / 127`` from ``-127`` steps: code 127 decodes to 0 exactly, so a constant
+    group, whose codes miss nothing, gets nothing added)."""
     v = x.float()
     if mean is not None:
         ndim = x.dim()
@@ -334,9 +343,7 @@ def refine_reference(x: torch.Tensor, codes: torch.Tensor, lower: torch.Tensor,
             rstd, channels, group_size, group_dim, ndim)
     coarse = Packed(codes, lower, scale, x.shape, torch.float32, 8, group_dim, group_size)
     residual = v - dequantize_reference(codes, coarse, torch.float32)
-    # the span of two coarse steps: its step is 2 * scale / 255 (scale_from_span's, a coarse
-    # step being positive), which scale / 127.5 rounds to exactly
-    fine_lower, fine_scale = -scale, scale / 127.5
+    fine_lower, fine_scale = fine_grid(scale)
     spec = QuantSpec(bits=8, group_dim=group_dim, group_size=group_size, stochastic=False)
     return (quantize_reference(residual, fine_lower, fine_scale, spec, group_dim), fine_lower,
             fine_scale)
