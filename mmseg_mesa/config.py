@@ -193,10 +193,9 @@ class MesaConfig:
             finds what no rule names (ConViT's positional projection, ReXNet's). The rules
             above still apply on top, as cheap first choices it measures with. ``True`` (the
             default bounds, ``Calibration``), a dict of ``Calibration`` fields, or False (the
-            rules alone). Defaults to False until refined codes decode a constant group
-            exactly: they miss it by 1/255, and a layer refined there (MaskFormer's first
-            decoder self-attention, whose value is constant) moves the gradient by 0.06
-            (docs/sweeps.md).
+            rules alone). Defaults to False: at 128x128 it keeps ResNeSt's split-attention
+            products refined (+0.017 of the baseline's saved bytes), and at the configs' own
+            crops only that choice is measured (docs/sweeps.md).
 
     Named presets (``MesaConfig.preset(name)``, or ``mesa=dict(preset=name, ...)`` in a config)
     bundle these fields; see ``PRESETS``.
