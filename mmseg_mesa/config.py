@@ -193,9 +193,8 @@ class MesaConfig:
             finds what no rule names (ConViT's positional projection, ReXNet's). The rules
             above still apply on top, as cheap first choices it measures with. ``True`` (the
             default bounds, ``Calibration``), a dict of ``Calibration`` fields, or False (the
-            rules alone). Defaults to False: at 128x128 it keeps ResNeSt's split-attention
-            products refined (+0.017 of the baseline's saved bytes), and at the configs' own
-            crops only that choice is measured (docs/sweeps.md).
+            rules alone). Defaults to the default bounds: where the rules hold it costs a
+            forward and two steps of two images, once per run (docs/sweeps.md).
 
     Named presets (``MesaConfig.preset(name)``, or ``mesa=dict(preset=name, ...)`` in a config)
     bundle these fields; see ``PRESETS``.
@@ -219,7 +218,7 @@ class MesaConfig:
     attention_maps: str = 'recompute'
     attention_refine_error: float = 0.05
     batchnorm_refine_below: int = 256
-    calibrate: Calibration | None = None
+    calibrate: Calibration | None = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):

@@ -187,7 +187,7 @@ def test_the_training_state_keeps_the_choice():
 
 
 def test_config():
-    assert MesaConfig().calibrate is None  # opt-in
+    assert MesaConfig().calibrate == Calibration()  # on by default
     assert MesaConfig(calibrate=True).calibrate == Calibration()
     assert MesaConfig(calibrate=False).calibrate is None
     assert MesaConfig.from_cfg(dict(calibrate=False)).calibrate is None
