@@ -34,11 +34,9 @@ from mmseg_mesa.bench.compiled import (
 )
 from mmseg_mesa.bench.memory import build_optimizer, prepare
 from mmseg_mesa.bench.models import (
-    add_cfg_options,
-    build_model,
-    input_size,
-    load_config,
+    add_model_arguments,
     make_batch,
+    model_setup,
     write_json,
 )
 
@@ -48,27 +46,20 @@ DEMO_CONFIG = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('config', nargs='?', default=DEMO_CONFIG)
-    parser.add_argument('--batch', type=int, default=2)
-    parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'))
-    parser.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
+    add_model_arguments(parser, DEMO_CONFIG, batch=2)
     parser.add_argument('--steps', type=int, default=3, help='compiled steps counted')
     parser.add_argument('--iters', type=int, default=5, help='timed rounds (median of these)')
     parser.add_argument('--no-explain', action='store_true')
     parser.add_argument('--json', default=None)
-    add_cfg_options(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from mmseg_mesa import MesaConfig
-    cfg = load_config(args.config, args.cfg_options)
-    mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
-    size = input_size(args.size, cfg)
-    base = build_model(cfg, args.device)
+    setup = model_setup(args)
+    cfg, size = setup.cfg, setup.size
     batch = make_batch(cfg, args.batch, size, args.device)
-    models = {mode: prepare(base, mode, mesa_config) for mode in ('baseline', 'mesa')}
+    models = {mode: prepare(setup.base, mode, setup.mesa_config) for mode in ('baseline', 'mesa')}
     result: dict = dict(config=osp.relpath(args.config, ROOT), device=args.device,
                         batch=args.batch, size=list(size), threads=torch.get_num_threads(),
                         torch=torch.__version__, modes={})

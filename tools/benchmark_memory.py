@@ -58,12 +58,10 @@ from mmseg_mesa.bench.memory import (
     prepare,
 )
 from mmseg_mesa.bench.models import (
-    add_cfg_options,
-    build_model,
+    add_model_arguments,
     dataset_batch,
-    input_size,
-    load_config,
     make_batch,
+    model_setup,
     write_json,
 )
 
@@ -83,15 +81,12 @@ def budget_bytes(value: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('config', nargs='?', default=DEFAULT_CONFIG)
+    add_model_arguments(parser, DEFAULT_CONFIG, batch=2,
+                        device='cuda' if torch.cuda.is_available() else 'cpu')
     modes = default_modes()
     parser.add_argument('--modes', nargs='+', default=None, type=mode_name,
                         help=f'default: {" ".join(modes)} (with --budget: '
                              f'{" ".join(budget_modes())})')
-    parser.add_argument('--batch', type=int, default=2)
-    parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'),
-                        help="input size; defaults to the config's crop_size")
-    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--iters', type=int, default=None,
                         help='timed steps per mode (default: 1 on CPU, 5 on CUDA; 0: none)')
     parser.add_argument('--json', help='write the results as JSON here')
@@ -111,7 +106,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='with --budget, CUDA only: also run batches 1, 2, 4, ... and report '
                              'the largest whose step stayed within SIZE')
     add_weight_options(parser)
-    add_cfg_options(parser)
     args = parser.parse_args(argv)
     if args.data_root and args.budget is not None:
         parser.error('--data-root measures one batch of the training set; --budget fits random '
@@ -135,12 +129,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from mmseg_mesa import MesaConfig
-    cfg = load_config(args.config, args.cfg_options)
-    mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
-    size = input_size(args.size, cfg)
+    setup = model_setup(args)
+    cfg, mesa_config, size, base = setup.cfg, setup.mesa_config, setup.size, setup.base
     iters = args.iters if args.iters is not None else (5 if args.device == 'cuda' else 1)
-    base = build_model(cfg, args.device)
     apply_weight_options(base, args)
     if args.data_root:
         batch = dataset_batch(cfg, base, args.batch, args.data_root)

@@ -27,11 +27,9 @@ import torch
 
 from mmseg_mesa.bench.memory import build_optimizer, prepare
 from mmseg_mesa.bench.models import (
-    add_cfg_options,
-    build_model,
-    input_size,
-    load_config,
+    add_model_arguments,
     make_batch,
+    model_setup,
     write_json,
 )
 from mmseg_mesa.bench.speed import (
@@ -48,11 +46,8 @@ DEMO_CONFIG = osp.join(ROOT, 'configs/demo/mesa_swin-mini_upernet_demo.py')
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('config', nargs='?', default=DEMO_CONFIG)
+    add_model_arguments(parser, DEMO_CONFIG, batch=8)
     parser.add_argument('--modes', nargs='+', default=['baseline', 'mesa'])
-    parser.add_argument('--batch', type=int, default=8)
-    parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'))
-    parser.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
     parser.add_argument('--iters', type=int, default=7, help='timed rounds (median of these)')
     parser.add_argument('--warmup', type=int, default=2, help='untimed rounds first')
     parser.add_argument('--json', default=None)
@@ -60,20 +55,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help='profile one forward + backward step of this mode')
     parser.add_argument('--count', action='store_true',
                         help='count kernel ops and host syncs of one forward + backward')
-    add_cfg_options(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from mmseg_mesa import MesaConfig
-    cfg = load_config(args.config, args.cfg_options)
-    mesa_config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
-    size = input_size(args.size, cfg)
-    base = build_model(cfg, args.device)
-    batch = make_batch(cfg, args.batch, size, args.device)
-    models = {mode: prepare(base, mode, mesa_config) for mode in args.modes}
-    optimizers = {mode: build_optimizer(model, cfg) for mode, model in models.items()}
+    setup = model_setup(args)
+    size = setup.size
+    batch = make_batch(setup.cfg, args.batch, size, args.device)
+    models = {mode: prepare(setup.base, mode, setup.mesa_config) for mode in args.modes}
+    optimizers = {mode: build_optimizer(model, setup.cfg) for mode, model in models.items()}
     times = interleaved_times(models, optimizers, batch, args.device, args.warmup, args.iters)
     results = dict(config=osp.relpath(args.config, ROOT), device=args.device, batch=args.batch,
                    size=list(size), iters=args.iters, warmup=args.warmup,

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import os.path as osp
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,39 @@ def add_cfg_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--cfg-options', nargs='+', action=DictAction, default=None,
                         help="override config settings, e.g. mesa.bits=4 (the `mesa` mode's "
                              "config) or mesa.division=[conv2d,batchnorm]")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_config: str, batch: int,
+                        device: str = 'cpu') -> None:
+    """The arguments of a tool that measures one config: the config (``default_config`` where
+    none is given), ``--batch``, ``--size`` (the config's crop by default), ``--device`` and
+    ``--cfg-options``."""
+    parser.add_argument('config', nargs='?', default=default_config)
+    parser.add_argument('--batch', type=int, default=batch)
+    parser.add_argument('--size', type=int, nargs=2, default=None, metavar=('H', 'W'),
+                        help="input size; defaults to the config's crop_size")
+    parser.add_argument('--device', default=device, choices=['cpu', 'cuda'])
+    add_cfg_options(parser)
+
+
+@dataclass
+class ModelSetup:
+    """What a one-config tool measures from: the config (options merged), its ``mesa`` setting
+    as a ``MesaConfig`` (the default where it has none), the input size and the unconverted
+    model on the device."""
+
+    cfg: Any
+    mesa_config: Any
+    size: tuple[int, int]
+    base: torch.nn.Module
+
+
+def model_setup(args: argparse.Namespace) -> ModelSetup:
+    """``ModelSetup`` from ``add_model_arguments``'s arguments."""
+    from ..config import MesaConfig
+    cfg = load_config(args.config, args.cfg_options)
+    return ModelSetup(cfg, MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig(),
+                      input_size(args.size, cfg), build_model(cfg, args.device))
 
 
 def load_config(path: str, options: dict | None = None) -> Any:
