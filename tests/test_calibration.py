@@ -209,7 +209,6 @@ def test_roles_and_first_images():
     assert torch.equal(first_images(torch.stack(images), 3), torch.stack(images[:3]))
 
 
-
 class Twins(nn.Module):
     """One Linear read by two GELUs of one input: their codes round alike (GELU rounds to
     nearest), so their errors in the Linear's gradient add in line, not in quadrature as those
