@@ -58,11 +58,11 @@ def calibrate_config(cfg: Any, size: tuple[int, int], batch: int | None = None,
     (calibration on, with the default bounds, where it says nothing of it) and calibrate it on
     ``batch`` random ``size`` images; the report, the chosen layers and the costs."""
     from ..calibration import calibrate
-    from ..config import Calibration, MesaConfig
+    from ..config import Calibration
     from ..convert import convert_to_mesa
     from ..memory import count_saved_tensors
-    from .models import build_model, loss_of, make_batch
-    config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
+    from .models import build_model, loss_of, make_batch, mesa_config_of
+    config = mesa_config_of(cfg)
     bounds = config.calibrate or Calibration()
     n = batch or bounds.batch
     reference = build_model(cfg, 'cpu')

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..reuse import count_reuse
-from .models import build_model, make_batch
+from .models import build_model, make_batch, mesa_config_of
 
 FUNCTIONAL = '<functional>'
 
@@ -108,8 +108,8 @@ def training_forward(model: torch.nn.Module, batch: tuple) -> Callable[[], list[
 
 def coverage(cfg: Any, size: tuple[int, int], batch_size: int) -> dict:
     """Baseline and Mesa saved bytes, and what Mesa left uncompressed, by module and type."""
-    from mmseg_mesa import MesaConfig, convert_to_mesa
-    config = MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()  # a bad value fails here
+    from mmseg_mesa import convert_to_mesa
+    config = mesa_config_of(cfg)
     base = build_model(cfg, 'cpu')
     batch = make_batch(cfg, batch_size, size, 'cpu')
     baseline = split_saved(base, training_forward(base, batch))

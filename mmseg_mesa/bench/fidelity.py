@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .models import build_model, build_segmentor, load_weights, loss_of
+from .models import build_model, build_segmentor, load_weights, loss_of, mesa_config_of
 
 Gradients = dict[str, torch.Tensor]
 SIGNIFICANT = 1e-3  # parameters below this fraction of the largest gradient norm are not ranked
@@ -149,7 +149,7 @@ def split(batch: tuple, n: int) -> tuple[tuple, tuple]:
 def mesa_config_for(name: str, cfg: Any) -> Any:
     from mmseg_mesa import MesaConfig
     if name == 'config':
-        return MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
+        return mesa_config_of(cfg)
     return MesaConfig.preset(name)
 
 

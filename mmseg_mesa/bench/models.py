@@ -51,10 +51,16 @@ class ModelSetup:
 
 def model_setup(args: argparse.Namespace) -> ModelSetup:
     """``ModelSetup`` from ``add_model_arguments``'s arguments."""
-    from ..config import MesaConfig
     cfg = load_config(args.config, args.cfg_options)
-    return ModelSetup(cfg, MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig(),
-                      input_size(args.size, cfg), build_model(cfg, args.device))
+    return ModelSetup(cfg, mesa_config_of(cfg), input_size(args.size, cfg),
+                      build_model(cfg, args.device))
+
+
+def mesa_config_of(cfg: Any) -> Any:
+    """The config's ``mesa`` setting as a ``MesaConfig``: the default where it has none (the
+    tools measure Mesa on plain mmseg configs too); a bad value fails here."""
+    from ..config import MesaConfig
+    return MesaConfig.from_cfg(cfg.get('mesa', True)) or MesaConfig()
 
 
 def load_config(path: str, options: dict | None = None) -> Any:
