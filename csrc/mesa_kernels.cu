@@ -344,8 +344,9 @@ __global__ void refine_kernel(const scalar_t* __restrict__ x, const uint8_t* __r
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   for (int64_t g = first; g < layout.groups; g += step) {
-    fine_scale[g] = fine_step(scale[g]);
-    fine_lower[g] = fine_lower_of(fine_step(scale[g]));
+    const float unit = fine_step(scale[g]);
+    fine_scale[g] = unit;
+    fine_lower[g] = fine_lower_of(unit);
   }
   const int64_t chunks = (layout.numel + kChunk - 1) / kChunk;
   for (int64_t chunk = first; chunk < chunks; chunk += step) {
